@@ -1,0 +1,164 @@
+"""Per-position token sampling for a denoise step: temperature, top-k, top-p, and a
+counter-based Gumbel-max draw (see :mod:`dllm.algorithms.rng`).
+
+Rules, per row (request):
+
+* Temperature 0 is greedy: ``x0 = argmax(logits)``, ties to the lowest vocab id; top-k and
+  top-p are ignored (they never remove the argmax). Confidence is the plain softmax.
+* Temperature > 0: logits are divided by the temperature, then top-k, then top-p filter
+  them (the SDAR / LLaDA2 order; Dream applies top-p first), then ``x0`` is the argmax of
+  ``filtered + Gumbel`` with Gumbel noise from the counter RNG. Confidence is the
+  probability of ``x0`` under the temperature-scaled, filtered, renormalised softmax.
+* Filters are value based: top-k keeps every logit ``>=`` the k-th largest and top-p keeps
+  the sorted prefix whose exclusive cumulative probability is ``<= p`` plus every logit tied
+  with its last member, so ties never depend on sort order.
+* ``gumbel_fp64`` rows (LLaDA's sampler): the draw is LLaDA's
+  ``argmax(exp(logits) / (-log u) ** T)`` in float64 with a 52-bit ``u`` over the
+  un-scaled logits (restricted to the top-k/top-p set), and confidence is the plain
+  (un-tempered, unfiltered) softmax, as in LLaDA's low-confidence remasking.
+
+Precision: softmax statistics are float32. The normaliser is ``max + log1p(sum of the
+other terms)``, so a confidence of ``1 - 1e-9`` keeps a distinct, ordered log-probability
+(``logprobs``) even though it rounds to 1.0 as a float32 probability; algorithms rank by
+the log-probability. Sums and prefix sums run in a fixed order
+(:mod:`dllm.algorithms.reductions`), so every output of a row is bit-identical whether the
+row runs alone or in any batch, on CPU and CUDA.
+
+Cost: with ``SamplingTensors.may_filter`` the vocabulary is sorted per position; with
+``may_sample`` a 32-bit hash is computed per (position, vocab id). A batch whose host-side
+flags are False skips that work.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from dllm.algorithms.base import SamplingTensors
+from dllm.algorithms.reductions import fixed_order_cumsum, fixed_order_sum
+from dllm.algorithms.rng import (
+    Stream,
+    counter_key,
+    gumbel_from_uniform,
+    unit_float32,
+    unit_float64,
+    vocab_bits,
+)
+
+_NEG_INF = float("-inf")
+
+
+class SampleOutput(NamedTuple):
+    x0: Tensor  # [bs, B] int64 proposed token per position
+    confidence: Tensor  # [bs, B] float32 probability of x0
+    logprobs: Tensor  # [bs, B, V] float32 log-probabilities of the distribution ``confidence`` uses
+
+
+def sample_tokens(
+    logits: Tensor,
+    sampling: SamplingTensors,
+    positions: Tensor,
+    step: Tensor,
+    *,
+    exclude_id: int | None = None,
+    gumbel_fp64: Tensor | None = None,
+) -> SampleOutput:
+    """Sample one token per position. ``logits [bs, B, V]`` (any float dtype),
+    ``positions [bs, B]`` absolute positions, ``step [bs]`` denoise step.
+
+    ``exclude_id`` (the mask token) is never proposed. ``gumbel_fp64 [bs] bool`` switches
+    rows to LLaDA's float64 sampler (module docstring)."""
+    raw = logits.float()
+    bs, block, vocab = raw.shape
+    sample_row = sampling.temperature > 0
+    temperature = torch.where(sample_row, sampling.temperature.float(), 1.0)
+    top_k = torch.where(sample_row, sampling.top_k, 0)
+    top_p = torch.where(sample_row, sampling.top_p.float(), 1.0)
+
+    scaled = raw / temperature[:, None, None]
+    if exclude_id is not None:
+        scaled[..., exclude_id] = _NEG_INF
+    filtered = scaled
+    if sampling.may_filter:
+        filtered = scaled.masked_fill(~_filter_mask(scaled, top_k, top_p), _NEG_INF)
+    logprobs = filtered - log_normalizer(filtered)[..., None]
+
+    if not sampling.may_sample:
+        x0 = filtered.argmax(dim=-1)
+    else:
+        bits = vocab_bits(counter_key(sampling.seed, step, positions, Stream.TOKEN), vocab)
+        gumbel = gumbel_from_uniform(unit_float32(bits))
+        x0 = (filtered + gumbel * sample_row[:, None, None]).argmax(dim=-1)
+        if gumbel_fp64 is not None:
+            x0, logprobs = _llada_fp64(
+                raw, filtered, bits, sampling, positions, step, temperature, exclude_id,
+                gumbel_fp64 & sample_row, x0, logprobs,
+            )  # fmt: skip
+
+    confidence = logprobs.gather(-1, x0[..., None]).squeeze(-1).exp()
+    return SampleOutput(x0, confidence, logprobs)
+
+
+def log_confidence(sample: SampleOutput) -> Tensor:
+    """``[bs, B]`` float32 log-probability of ``x0``: the ranking key for confidence."""
+    return sample.logprobs.gather(-1, sample.x0[..., None]).squeeze(-1)
+
+
+def entropy(logprobs: Tensor) -> Tensor:
+    """``[bs, B]`` Shannon entropy (nats) of each position's distribution."""
+    return fixed_order_sum(torch.special.entr(logprobs.exp()))
+
+
+def log_normalizer(logits: Tensor) -> Tensor:
+    """``logsumexp`` over the last dim as ``max + log1p(sum of the rest)``: exact near 1."""
+    top, top_idx = logits.max(dim=-1, keepdim=True)
+    rest = torch.exp(logits - top)
+    rest.scatter_(-1, top_idx, 0.0)
+    return top.squeeze(-1) + torch.log1p(fixed_order_sum(rest))
+
+
+def _filter_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """``[bs, B, V]`` bool: the top-k then top-p support of each row (value based)."""
+    bs, block, vocab = scaled.shape
+    ordered = torch.sort(scaled, dim=-1, descending=True).values
+    k = top_k.clamp(0, vocab)
+    kth_index = (k.clamp(min=1) - 1)[:, None, None].expand(bs, block, 1)
+    kth = torch.where((k > 0)[:, None, None], ordered.gather(-1, kth_index), _NEG_INF)
+    in_k = ordered >= kth
+    mass = torch.exp(ordered - ordered[..., :1]) * in_k
+    cumulative = fixed_order_cumsum(mass)
+    before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+    p = top_p[:, None, None]
+    in_p = (before <= p * cumulative[..., -1:]) | (p >= 1.0)
+    kept = (in_k & in_p).sum(dim=-1, keepdim=True)
+    cutoff = ordered.gather(-1, kept - 1)
+    return scaled >= cutoff
+
+
+def _llada_fp64(
+    raw: Tensor,
+    filtered: Tensor,
+    bits: Tensor,
+    sampling: SamplingTensors,
+    positions: Tensor,
+    step: Tensor,
+    temperature: Tensor,
+    exclude_id: int | None,
+    rows: Tensor,
+    x0: Tensor,
+    logprobs: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """LLaDA's ``add_gumbel_noise`` draw and plain-softmax confidence for ``rows``."""
+    low = vocab_bits(counter_key(sampling.seed, step, positions, Stream.TOKEN_LOW), raw.shape[-1])
+    u = unit_float64(bits, low)
+    t = temperature.double()[:, None, None]
+    score = raw.double().exp() / (-torch.log(u)) ** t
+    score = torch.where(filtered > _NEG_INF, score, -1.0)
+    x0 = torch.where(rows[:, None], score.argmax(dim=-1), x0)
+    plain = raw.clone()
+    if exclude_id is not None:
+        plain[..., exclude_id] = _NEG_INF
+    plain_logprobs = plain - log_normalizer(plain)[..., None]
+    return x0, torch.where(rows[:, None, None], plain_logprobs, logprobs)

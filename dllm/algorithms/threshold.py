@@ -1,0 +1,71 @@
+"""Confidence-threshold parallel decoding (Fast-dLLM, SGLang ``LowConfidence``) and
+Fast-dLLM's factor-based rule."""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.algorithms.base import DenoiseInput, DenoiseOutput, UnmaskingAlgorithm
+from dllm.algorithms.sampling import log_confidence, sample_tokens
+from dllm.algorithms.selection import finish, masked_positions, rank_positions, select_top
+
+
+class Threshold(UnmaskingAlgorithm):
+    """Every masked position with confidence above ``threshold``, and at least the most
+    confident one.
+
+    Reference: Fast-dLLM ``llada/generate.py`` ``get_transfer_index`` (with ``threshold``)
+    and SGLang ``dllm/algorithm/low_confidence.py``.
+
+    Keys: ``threshold`` (float in [0, 1], default 0.9), compared strictly
+    (``conf > threshold``, SGLang; Fast-dLLM keeps ``conf == threshold`` too).
+
+    Confidence: tempered, filtered softmax of the sampled token in float32 (Fast-dLLM uses
+    the un-tempered float64 softmax; identical at temperature 0 up to precision).
+    Ties for the guaranteed token: lower position first.
+    """
+
+    name = "threshold"
+    defaults = {"threshold": 0.9}
+
+    def step(self, x: DenoiseInput) -> DenoiseOutput:
+        masked = masked_positions(x)
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
+        above = masked & (sample.confidence > x.config["threshold"][:, None])
+        best = select_top(log_confidence(sample), masked, torch.ones_like(x.step))
+        return finish(x, sample.x0, above | best, masked)
+
+
+class Factor(UnmaskingAlgorithm):
+    """Fast-dLLM's factor-based parallel decoding: with masked confidences sorted
+    descending ``c_1 >= c_2 >= ...``, take the longest prefix with
+    ``c_n >= 1 - factor / (n + 1)`` for every ``n >= 2`` (``c_1`` always passes).
+
+    Reference: Fast-dLLM ``llada/generate.py`` ``get_transfer_index_dynamic``. Its loop
+    also transfers every masked position when all but the last pass (``top_i == len - 1``
+    after the loop); that quirk is reproduced for parity.
+
+    Keys: ``factor`` (float > 0, default 1.0).
+
+    Confidence: tempered, filtered softmax in float32 (Fast-dLLM: un-tempered float64;
+    identical at temperature 0 up to precision), thresholds in float32. Ties: lower
+    position first.
+    """
+
+    name = "factor"
+    defaults = {"factor": 1.0}
+
+    def step(self, x: DenoiseInput) -> DenoiseOutput:
+        masked = masked_positions(x)
+        num_masked = masked.sum(dim=-1)
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
+        rank = rank_positions(log_confidence(sample), masked)
+        order = torch.argsort(rank, dim=-1)
+        conf_sorted = sample.confidence.gather(-1, order)
+        masked_sorted = masked.gather(-1, order)
+        n = torch.arange(1, rank.shape[-1] + 1, device=rank.device, dtype=torch.float32)
+        bound = 1.0 - x.config["factor"][:, None] / (n + 1.0)
+        passes = ((conf_sorted >= bound) | (n == 1)) & masked_sorted
+        count = passes.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+        count = torch.where((count == num_masked - 1) & (num_masked >= 2), num_masked, count)
+        return finish(x, sample.x0, (rank < count[:, None]) & masked, masked)

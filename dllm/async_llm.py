@@ -1,0 +1,192 @@
+"""``AsyncLLM``: the engine on a background thread, with async streaming per committed block.
+
+Requests and aborts cross into the engine thread through a locked inbox; results come back
+to each caller's event loop with ``call_soon_threadsafe``. Nothing here blocks the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dllm.config import EngineConfig
+from dllm.engine import Engine, Prompt
+from dllm.outputs import RequestOutput, StreamChunk
+from dllm.request import FinishReason, Req
+from dllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    req: Req
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sent_text: str = ""
+    sent_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, engine: Engine | None = None,
+                 **engine_args: Any):
+        self.engine = engine or Engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, Any]] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public --------------------------------------------------------------------------
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                     rid: str | None = None) -> Req:
+        """Validate on the caller's side, so bad input is a ``ValueError`` here."""
+        with self._cv:  # the engine thread also reads the tokenizer and the rid counter
+            return self.engine.make_request(prompt, params, rid)
+
+    async def generate_stream(self, prompt: Prompt | Req,
+                              sampling_params: SamplingParams | None = None,
+                              rid: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Yield one chunk per committed block; the last has ``finished=True``. Leaving the
+        iteration early (client gone) aborts the request and frees its memory."""
+        req = prompt if isinstance(prompt, Req) else self.make_request(
+            prompt, sampling_params, rid)
+        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue())
+        self._post("add", stream)
+        finished = False
+        try:
+            while True:
+                chunk = await stream.queue.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+                if chunk.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    async def generate(self, prompt: Prompt | Req, sampling_params: SamplingParams | None = None,
+                       rid: str | None = None) -> RequestOutput:
+        last = None
+        async for chunk in self.generate_stream(prompt, sampling_params, rid):
+            last = chunk
+        return last.output
+
+    def abort(self, rid: str) -> None:
+        self._post("abort", rid)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    def call_in_engine(self, fn) -> Any:
+        """Run ``fn(engine)`` between engine steps (for stats, memory checks)."""
+        with self._cv:
+            return fn(self.engine)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _post(self, kind: str, item: Any) -> None:
+        with self._cv:
+            self._inbox.append((kind, item))
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._inbox and not self.engine.has_work:
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                inbox, self._inbox = self._inbox, []
+                for kind, item in inbox:
+                    self._handle(kind, item)
+                try:
+                    changed = self.engine.step() if self.engine.has_work else []
+                except Exception as exc:  # noqa: BLE001 - the loop must survive
+                    logger.exception("engine step failed")
+                    changed = self._fail_all(exc)
+            for req in changed:
+                self._emit(req)
+        for stream in list(self._streams.values()):
+            self._fail(stream, RuntimeError("engine shut down"))
+
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "add":
+            stream: _Stream = item
+            self._streams[stream.req.rid] = stream
+            try:
+                self.engine.add_request(stream.req)
+            except ValueError as exc:
+                self._streams.pop(stream.req.rid, None)
+                self._fail(stream, exc)
+        elif kind == "abort":
+            req = self.engine.abort(item)
+            if req is not None:
+                self._emit(req)
+
+    def _fail_all(self, exc: Exception) -> list[Req]:
+        reqs = list(self.engine.scheduler.running.values()) + list(self.engine.scheduler.waiting)
+        self.engine.scheduler.waiting.clear()
+        for req in reqs:
+            self.engine.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        return reqs
+
+    def _fail(self, stream: _Stream, exc: BaseException) -> None:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    def _emit(self, req: Req) -> None:
+        stream = self._streams.get(req.rid)
+        if stream is None:
+            return
+        chunk = self._chunk(stream)
+        if chunk.finished:
+            self._streams.pop(req.rid, None)
+        if chunk.finished or chunk.delta_text or chunk.delta_token_ids:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+    def _chunk(self, stream: _Stream) -> StreamChunk:
+        req = stream.req
+        checker = self.engine.scheduler.stop_checker
+        finished = req.finished
+        if finished:
+            text = checker.output_text(req)
+        else:
+            text = _stable_prefix(checker.decode(req.output_ids), req.params.stop)
+        delta_text = text[len(stream.sent_text):] if text.startswith(stream.sent_text) else ""
+        if delta_text:
+            stream.sent_text = text
+        delta_ids = req.output_ids[stream.sent_tokens:]
+        stream.sent_tokens = len(req.output_ids)
+        return StreamChunk(
+            rid=req.rid, delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+            output=self.engine.output_of(req) if finished else None,
+        )
+
+
+def _stable_prefix(text: str, stops: list[str]) -> str:
+    """Text safe to stream now: without a trailing partial UTF-8 character and without a
+    suffix that could grow into a stop string in the next block."""
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[: len(text) - hold]

@@ -1,0 +1,99 @@
+"""Autoregressive generation through the same scheduler, pools and runner (DESIGN §3):
+a causal ``EXTEND`` prefill (chunked by the token budget) whose last chunk samples the first
+token, then one ``DECODE`` row per request per step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dllm.algorithms import sample_tokens
+from dllm.algorithms.base import SamplingTensors
+from dllm.request import Req
+from dllm.runner.forward_batch import (
+    AttentionMask,
+    ForwardBatch,
+    ForwardMode,
+    LogitsMode,
+    ScheduledBatch,
+)
+from dllm.scheduler import Scheduler, Work
+
+
+def sampling_rows(reqs: list[Req]) -> dict[str, list]:
+    """Per-row sampling settings for the static registry (shared with block diffusion)."""
+    return {
+        "temperature": [float(r.params.temperature) for r in reqs],
+        "top_k": [r.params.effective_top_k for r in reqs],
+        "top_p": [float(r.params.top_p) for r in reqs],
+        "seed": [int(r.params.seed or 0) for r in reqs],
+    }
+
+
+def sampling_tensors(fb: ForwardBatch, n: int) -> SamplingTensors:
+    ex = fb.extras
+    return SamplingTensors(temperature=ex["temperature"][:n], top_k=ex["top_k"][:n],
+                           top_p=ex["top_p"][:n], seed=ex["seed"][:n])
+
+
+def sample_next(fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``[bs]`` next tokens from each row's last-token logits, sampled at the position after
+    that token (the RNG counter), on the device."""
+    bs = len(fb.extend_lens_cpu)
+    last_pos = fb.positions[fb.last_token_index[:bs]]
+    out = sample_tokens(logits[:bs, None, :], sampling_tensors(fb, bs), (last_pos + 1)[:, None],
+                        torch.zeros_like(last_pos))
+    return out.x0[:, 0]
+
+
+class AutoregressiveScheduler(Scheduler):
+    def schedule(self) -> list[Work]:
+        works = []
+        prefill = self.build_prefill()
+        if prefill is not None:
+            works.append(Work(prefill, self.apply_tokens, lambda b: sample_next))
+        ready = [r for r in self.running.values() if not r.needs_prefill and r.output_ids
+                 and r.rid not in (prefill.rids if prefill else ())]
+        decode = self.build_decode(ready)
+        if decode is not None:
+            works.append(Work(decode, self.apply_tokens, lambda b: sample_next))
+        return works
+
+    def build_prefill(self) -> ScheduledBatch | None:
+        rows = self.chunk_prefill(lambda r: r.prompt_len, 1)
+        if not rows:
+            return None
+        batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.CAUSAL,
+                               logits_mode=LogitsMode.LAST)
+        for req, start, end in rows:
+            batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
+        batch.row_inputs.update(sampling_rows([req for req, _, _ in rows]))
+        return batch
+
+    def build_decode(self, reqs: list[Req]) -> ScheduledBatch | None:
+        if not reqs:
+            return None
+        batch = ScheduledBatch(ForwardMode.DECODE, attention_mask=AttentionMask.CAUSAL,
+                               logits_mode=LogitsMode.LAST)
+        for req in reqs:
+            # The last output token is fed at its own position; its KV is written now.
+            batch.add_row(req.rid, req.req_pool_idx, req.output_ids[-1:], req.committed_len - 1)
+        batch.row_inputs.update(sampling_rows(reqs))
+        return batch
+
+    def apply_tokens(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        tokens = output.tolist()  # the one host read of the step
+        changed = []
+        for i, rid in enumerate(batch.rids):
+            req = self.running.get(rid)
+            if req is None:
+                continue
+            req.num_forward_passes += 1
+            if batch.mode is ForwardMode.EXTEND:
+                req.prefilled_len += batch.extend_lens[i]
+                if req.needs_prefill:
+                    continue  # a middle chunk: its logits are not used
+            self.commit_tokens(req, [tokens[i]])
+            changed.append(req)
+        return changed

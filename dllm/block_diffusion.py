@@ -1,0 +1,128 @@
+"""Block-granular continuous batching for block-diffusion models (DESIGN §2, §4).
+
+Every engine step runs up to two forwards: one ``EXTEND`` that prefills full prompt blocks of
+admitted requests (chunked by a token budget, block-causal), and one ``DLLM_EXTEND`` over the
+current block of every request past its prefill (denoise rows and commit rows side by side).
+A request whose block resolves leaves the denoise rows at once; the next step it runs the
+commit forward, then starts its next block. Memory for a request's whole reserved length is
+taken at admission, so a running request never waits for memory and never fails for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dllm.denoise import DenoisePost
+from dllm.request import BlockState, Req
+from dllm.runner.forward_batch import AttentionMask, ForwardMode, LogitsMode, ScheduledBatch
+from dllm.scheduler import Scheduler, Work
+
+
+class BlockDiffusionScheduler(Scheduler):
+    logits_shift = 0
+
+    def schedule(self) -> list[Work]:
+        works = []
+        prefill = self.build_prefill()
+        if prefill is not None:
+            works.append(Work(prefill, self.apply_prefill))
+        denoise = self.build_denoise([r for r in self.running.values() if not r.needs_prefill])
+        if denoise is not None:
+            works.append(Work(denoise, self.apply_denoise, self.make_post))
+        return works
+
+    # ---- prefill -----------------------------------------------------------------------
+    def build_prefill(self) -> ScheduledBatch | None:
+        """Full prompt blocks, as many as fit the token budget, block-causal, no logits."""
+        rows = self.chunk_prefill(lambda r: r.prefill_target, self.config.block_size)
+        if not rows:
+            return None
+        batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
+                               block_size=self.config.block_size, logits_mode=LogitsMode.NONE)
+        for req, start, end in rows:
+            batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
+        return batch
+
+    def apply_prefill(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        for rid, n in zip(batch.rids, batch.extend_lens, strict=True):
+            req = self.running.get(rid)
+            if req is not None:
+                req.prefilled_len += n
+                req.num_forward_passes += 1
+        return []
+
+    # ---- denoise -----------------------------------------------------------------------
+    def _start_block(self, req: Req) -> None:
+        b = req.block_size
+        start = req.committed_len // b * b
+        known = [*req.prompt_ids, *req.output_ids][start:]
+        req.block = BlockState(
+            start=start,
+            tokens=known + [self.config.mask_token_id] * (b - len(known)),
+            editable=[False] * len(known) + [True] * (b - len(known)),
+            num_initial_masks=b - len(known),
+        )
+
+    def build_denoise(self, reqs: list[Req]) -> ScheduledBatch | None:
+        """One ``DLLM_EXTEND`` row of exactly ``block_size`` tokens per request."""
+        if not reqs:
+            return None
+        for req in reqs:
+            if req.block is None:
+                self._start_block(req)
+        batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
+                               block_size=self.config.block_size, logits_mode=LogitsMode.ALL)
+        editable = []
+        for req in reqs:
+            blk = req.block
+            batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
+            batch.row_groups.append(req.algorithm)
+            editable.extend(int(e) for e in blk.editable)
+        batch.token_inputs["editable"] = editable
+        batch.row_inputs.update(
+            step=[r.block.step for r in reqs],
+            num_initial_masks=[r.block.num_initial_masks for r in reqs],
+            is_commit=[int(r.block.resolved) for r in reqs],
+            temperature=[float(r.params.temperature) for r in reqs],
+            top_k=[r.params.effective_top_k for r in reqs],
+            top_p=[float(r.params.top_p) for r in reqs],
+            seed=[int(r.params.seed or 0) for r in reqs],
+        )
+        return batch
+
+    def make_post(self, batch: ScheduledBatch) -> DenoisePost:
+        return DenoisePost([self.running[rid] for rid in batch.rids],
+                           self.config.mask_token_id, self.logits_shift)
+
+    def apply_denoise(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        """Apply one step's result; returns the requests that committed a block or finished."""
+        result = DenoisePost.read(output)
+        changed = []
+        for r, rid in enumerate(batch.rids):
+            req = self.running.get(rid)
+            if req is None or req.block is None:
+                continue
+            req.num_forward_passes += 1
+            blk = req.block
+            if blk.resolved:  # this was the commit forward: its KV now counts
+                req.num_commit_forwards += 1
+                req.block = None
+                continue
+            req.num_denoise_forwards += 1
+            blk.step += 1
+            blk.tokens = result.tokens[r]
+            blk.transfers += result.num_transferred[r]
+            blk.algo_state = result.state[r]
+            if result.done[r]:
+                self._resolve(req)
+                changed.append(req)
+        return changed
+
+    def _resolve(self, req: Req) -> None:
+        """The block has no masks left: its tokens are final, so the output is decided now.
+        A request that ends inside this block needs no commit forward (its KV would never be
+        read again)."""
+        blk = req.block
+        req.num_blocks_committed += 1
+        if not self.commit_tokens(req, [t for t, e in zip(blk.tokens, blk.editable,
+                                                          strict=True) if e]):
+            blk.resolved = True

@@ -1,0 +1,89 @@
+"""Engine configuration: one frozen dataclass, validated once, never mutated (DESIGN §12)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
+TASKS = ("auto", "generate", "embed")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine arguments (the ``LLM(**engine_args)`` / ``dllm serve`` flags).
+
+    model: a local checkpoint directory (``None``: the built-in model, when shipped).
+    algorithm / algorithm_config: the default unmasking algorithm and its settings; a
+        request's ``dllm`` dict overrides them.
+    block_size / mask_token_id: override the checkpoint's values (DESIGN §4 resolution order).
+    max_running_requests: requests admitted at once (rows of a denoise batch).
+    page_size / num_kv_pages: the paged KV cache; ``num_kv_pages=None`` sizes the pool from
+        ``kv_cache_memory_gb`` (or enough for every admitted request at full context, if less).
+    max_prefill_tokens: token budget of one prefill forward; longer prompts are chunked.
+    context_length: longest prompt + output; defaults to the model's.
+    task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
+        sentence-transformers layout, else ``generate``).
+    """
+
+    model: str | None = None
+    algorithm: str | None = None
+    algorithm_config: dict[str, Any] = field(default_factory=dict)
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    max_running_requests: int = 64
+    page_size: int = 16
+    num_kv_pages: int | None = None
+    kv_cache_memory_gb: float | None = None
+    max_prefill_tokens: int = 4096
+    context_length: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+    task: str = "auto"
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "page_size", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("block_size", "num_kv_pages", "context_length", "mask_token_id"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                  or (v == 0 and name != "mask_token_id")):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if not isinstance(self.algorithm_config, dict):
+            raise ValueError("algorithm_config must be a dict")
+        # Frozen, but the dict inside could still be mutated by the caller: take a copy.
+        object.__setattr__(self, "algorithm_config", dict(self.algorithm_config))
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        dtype = DTYPES[self.dtype]
+        if dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return dtype

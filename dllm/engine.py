@@ -1,0 +1,277 @@
+"""The engine loop (DESIGN §2): schedule, forward, update."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from dllm.algorithms import get_algorithm
+from dllm.autoregressive import AutoregressiveScheduler
+from dllm.block_diffusion import BlockDiffusionScheduler
+from dllm.checkpoint import ModelInfo, load_model_info, resolve_model_path
+from dllm.config import EngineConfig
+from dllm.denoise import denoise_inputs
+from dllm.embedding import EmbeddingScheduler
+from dllm.memory import ReqToTokenPool, TokenToKVPool
+from dllm.models.loader import load_model
+from dllm.models.pooling import PoolingConfig
+from dllm.outputs import EmbeddingOutput, RequestOutput
+from dllm.request import FinishReason, Req
+from dllm.runner.attention import make_backend
+from dllm.runner.forward_batch import ForwardMode, ScheduledBatch
+from dllm.runner.model_runner import ModelRunner
+from dllm.sampling_params import SamplingParams
+from dllm.scheduler import Scheduler, SchedulerConfig, Work
+from dllm.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict[str, Any]]
+DEFAULT_ALGORITHM = "low_confidence_dynamic"
+
+
+class Engine:
+    """Owns the model, the memory pools, the scheduler and the runner. Single-threaded:
+    ``AsyncLLM`` drives it from one background thread."""
+
+    def __init__(self, config: EngineConfig | None = None, **engine_args: Any):
+        self.config = config or EngineConfig(**engine_args)
+        cfg = self.config
+        self.device = cfg.resolve_device()
+        self.dtype = cfg.resolve_dtype(self.device)
+        path = resolve_model_path(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or path, local_files_only=True)
+        self.info: ModelInfo = load_model_info(
+            dataclasses.replace(cfg, model=path), self.tokenizer)
+        self.task = self._resolve_task(path)
+        torch.manual_seed(cfg.seed)
+        self.model, _, _ = load_model(path, dtype=self.dtype, device=self.device)
+        self.model.eval()
+        diffusion = self.task == "generate" and self.info.spec.is_diffusion
+        self.block_size = int(self.info.block_size) if diffusion else 1
+        self.mask_token_id = self.info.mask_token_id if diffusion else None
+        self.algorithm_name = (cfg.algorithm or self.info.generation_defaults.get("algorithm")
+                               or DEFAULT_ALGORITHM)
+        get_algorithm(self.algorithm_name)  # fail fast on an unknown name
+        self.algorithm_config = {
+            **{k: v for k, v in self.info.generation_defaults.items() if k != "algorithm"},
+            **cfg.algorithm_config,
+        }
+        self._init_memory()
+        self.scheduler = self._make_scheduler(path)
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, self.req_pool.req_to_token,
+            make_backend(cfg.attention_backend, self.device), self.device,
+            max_bs=cfg.max_running_requests,
+            max_tokens=max(cfg.max_prefill_tokens, cfg.max_running_requests * self.block_size),
+        )
+        denoise_inputs(self.runner.registry)
+        self._rid_counter = itertools.count()
+        self._seed_rng = random.Random(cfg.seed)
+        self.step_count = 0
+
+    # ---- setup -------------------------------------------------------------------------
+    def _resolve_task(self, path: str) -> str:
+        task = self.config.task
+        if task == "auto":
+            task = "embed" if PoolingConfig.is_sentence_transformers(path) else "generate"
+        if task == "embed" and self.info.spec.kind != "causal_lm":
+            raise ValueError(f"{self.info.architecture} cannot serve embeddings")
+        return task
+
+    def _make_scheduler(self, path: str) -> Scheduler:
+        cfg = self.config
+        sc = SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, self.block_size,
+                             self.mask_token_id)
+        args = (sc, self.req_pool, self.kv_pool,
+                StopChecker(self.tokenizer, self.info.eos_token_ids))
+        kind = self.info.spec.kind
+        if self.task == "embed":
+            return EmbeddingScheduler(*args, pooling=PoolingConfig.from_checkpoint(path))
+        if kind == "causal_lm":
+            return AutoregressiveScheduler(*args)
+        if kind == "block_diffusion":
+            sched = BlockDiffusionScheduler(*args)
+            sched.logits_shift = self.info.spec.logits_shift
+            return sched
+        raise NotImplementedError(f"{self.info.architecture} ({kind}) is not served yet")
+
+    def _init_memory(self) -> None:
+        cfg = self.config
+        spec = self.model.kv_cache_spec()
+        page = cfg.page_size
+        self.context_length = self.info.context_length
+        # A request's reservation is rounded up to a whole block.
+        max_context = -(-self.context_length // self.block_size) * self.block_size
+        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
+        want = cfg.max_running_requests * -(-max_context // page) + 1
+        if cfg.num_kv_pages is not None:
+            pages = cfg.num_kv_pages + 1
+        else:
+            budget_gb = cfg.kv_cache_memory_gb
+            if budget_gb is None:
+                budget_gb = self._default_kv_budget_gb()
+            pages = min(want, int(budget_gb * 2**30 // (per_token * page)) + 1)
+        self.req_pool = ReqToTokenPool(cfg.max_running_requests, max_context, self.device)
+        self.kv_pool = TokenToKVPool(pages, page, spec.num_layers, spec.num_kv_heads,
+                                     spec.head_dim, self.dtype, self.device)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", pages - 1, page,
+                    self.kv_pool.memory_bytes() / 2**20)
+
+    def _default_kv_budget_gb(self) -> float:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return 0.8 * free / 2**30
+        return 2.0
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.apply_chat_template(prompt)
+        if isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return list(prompt)
+        raise ValueError("a prompt is a string, a list of token ids or a list of chat messages")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each chat message needs a string 'role' and 'content'")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                     rid: str | None = None) -> Req:
+        """Validate and build a request (raises ``ValueError`` on bad input)."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary of "
+                             f"{self.info.vocab_size} tokens")
+        if len(ids) + params.max_new_tokens > self.context_length:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the context length of {self.context_length}")
+        dllm = dict(params.dllm)
+        name = dllm.pop("algorithm", None) or self.algorithm_name
+        algo_config: dict[str, Any] = {}
+        if self.mask_token_id is not None:
+            algo_config = get_algorithm(name).validate({**self.algorithm_config, **dllm},
+                                                       self.block_size)
+        elif dllm:
+            raise ValueError(f"dllm settings apply to diffusion models; "
+                             f"{self.info.architecture} is autoregressive")
+        if params.seed is None:  # a copy: the caller may reuse one params object
+            params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**31))
+        return Req(
+            rid=rid if rid is not None else f"req-{next(self._rid_counter)}",
+            prompt_ids=ids, params=params, algorithm=name, algo_config=algo_config,
+            block_size=self.block_size, arrival=self.step_count,
+        )
+
+    def make_embed_request(self, text: str | list[int], dimensions: int | None = None,
+                           normalize: bool | None = None, rid: str | None = None) -> Req:
+        if self.task != "embed":
+            raise ValueError("this engine generates; start it with task='embed' for embeddings")
+        hidden = int(self.info.config.get("hidden_size", 0))
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(
+                dimensions, int) or not 1 <= dimensions <= hidden):
+            raise ValueError(f"dimensions must be an integer in [1, {hidden}], got {dimensions!r}")
+        req = self.make_request(text, SamplingParams(max_new_tokens=1), rid)
+        req.embed_dimensions, req.embed_normalize = dimensions, normalize
+        return req
+
+    def add_request(self, req: Req) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> Req | None:
+        return self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """One engine step: every forward the scheduler plans (prefill and denoise both
+        progress). Returns the requests whose output grew or that finished."""
+        self.step_count += 1
+        changed: list[Req] = []
+        for work in self.scheduler.schedule():
+            changed.extend(self._guarded(work, work.batch))
+        return changed
+
+    def idle_step(self) -> None:
+        """An ``IDLE`` forward: nothing scheduled on this rank, but a step must be taken (a
+        data-parallel rank joins its peers' collectives). Touches no memory pool."""
+        self.runner.forward(ScheduledBatch(ForwardMode.IDLE))
+
+    def _run(self, work: Work, batch: ScheduledBatch) -> list[Req]:
+        post = work.make_post(batch) if work.make_post is not None else None
+        return work.apply(batch, self.runner.forward(batch, post))
+
+    def _guarded(self, work: Work, batch: ScheduledBatch) -> list[Req]:
+        """Run a batch; if it fails, run its rows one by one so that only the request that
+        fails is finished with an error. A row writes only its own KV slots, so a retry is
+        safe."""
+        try:
+            return self._run(work, batch)
+        except Exception as exc:  # noqa: BLE001 - isolate the failing request
+            if batch.batch_size > 1:
+                return [req for i in range(batch.batch_size)
+                        for req in self._guarded(work, batch.row(i))]
+            req = self.scheduler.running.get(batch.rids[0])
+            if req is None:
+                return []
+            logger.exception("request %s failed", req.rid)
+            self.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+            return [req]
+
+    # ---- outputs -----------------------------------------------------------------------
+    def output_of(self, req: Req) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid,
+            text=self.scheduler.stop_checker.output_text(req),
+            token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            prompt_tokens=req.prompt_len,
+            num_forward_passes=req.num_forward_passes,
+            num_denoise_forwards=req.num_denoise_forwards,
+            num_blocks=req.num_blocks_committed,
+            error=req.error,
+            prompt_token_ids=list(req.prompt_ids),
+        )
+
+    def embedding_of(self, req: Req) -> EmbeddingOutput:
+        if req.embedding is None:
+            raise RuntimeError(f"request {req.rid} ended without an embedding: "
+                               f"{req.error or req.finish_reason}")
+        return EmbeddingOutput(req.rid, req.embedding, req.prompt_len)
+
+    def check_memory(self) -> None:
+        """Raise ``AssertionError`` if any KV page or request slot leaked."""
+        self.scheduler.check_memory()
+        if not self.has_work:
+            assert self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages
+
+    def run_to_completion(self, reqs: Sequence[Req]) -> list[RequestOutput]:
+        for req in reqs:
+            self.add_request(req)
+        while any(not r.finished for r in reqs):
+            self.step()
+        return [self.output_of(r) for r in reqs]

@@ -1,0 +1,114 @@
+"""Memory pools (DESIGN §6): request slots → token slots, and the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfMemoryError(RuntimeError):
+    """A pool had fewer free entries than asked for. The scheduler checks before it allocates,
+    so this signals a bookkeeping bug, not a user error."""
+
+
+class ReqToTokenPool:
+    """Row ``r`` maps request slot ``r``'s token index ``t`` (its cache index, i.e. absolute
+    position) to a KV slot. Unused entries hold 0, the padding slot."""
+
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu"):
+        self.max_reqs = max_reqs
+        self.max_context = max_context
+        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(max_reqs))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfMemoryError("no free request slot")
+        return self._free.pop()
+
+    def free(self, index: int) -> None:
+        if index in self._free:
+            raise RuntimeError(f"request slot {index} freed twice")
+        self.req_to_token[index].zero_()
+        self._free.append(index)
+
+
+class TokenToKVPool:
+    """Paged per-layer K/V buffers ``[num_slots, kv_heads, head_dim]``.
+
+    Page 0 is reserved: its slots absorb the writes of padding tokens, so padded batches
+    (CUDA graphs) never touch a live request's cache."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
+    ):
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        num_slots = num_pages * page_size
+        v_dim = v_head_dim or head_dim
+        self.k_buffers = [
+            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(num_slots, num_kv_heads, v_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_usable_pages - self.num_free_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def alloc_pages(self, n: int) -> list[int]:
+        if n > len(self._free_pages):
+            raise OutOfMemoryError(f"asked for {n} KV pages, {len(self._free_pages)} free")
+        pages = self._free_pages[len(self._free_pages) - n :]
+        del self._free_pages[len(self._free_pages) - n :]
+        return pages[::-1]
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._free_pages.extend(reversed(pages))
+
+    def slots_for(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """KV slots of token indices ``[start, end)`` of a sequence stored in ``pages``."""
+        t = torch.arange(start, end)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[t // self.page_size]
+        return page_ids * self.page_size + t % self.page_size
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)

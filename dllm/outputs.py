@@ -1,0 +1,47 @@
+"""What the library returns: one ``RequestOutput`` per prompt, ``StreamChunk`` per committed
+block when streaming."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    text: str
+    token_ids: list[int]  # generated ids (a stop token id that ended the output included)
+    finish_reason: str | None  # "stop", "length", "abort" (or "error")
+    prompt_tokens: int
+    num_forward_passes: int  # model forwards this request took part in
+    num_denoise_forwards: int = 0
+    num_blocks: int = 0
+    error: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.completion_tokens / max(self.num_forward_passes, 1)
+
+
+@dataclass
+class StreamChunk:
+    rid: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    output: RequestOutput | None = None  # set on the last chunk
+
+
+@dataclass
+class EmbeddingOutput:
+    rid: str
+    embedding: list[float]
+    prompt_tokens: int

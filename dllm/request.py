@@ -1,0 +1,99 @@
+"""Request state: plain data with derived values as properties (DESIGN §12)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no memory
+    RUNNING = "running"  # admitted: holds a request slot and its KV pages
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class BlockState:
+    """The block a block-diffusion request is denoising. Host lists: the scheduler reads the
+    step result once per step anyway, so keeping them here costs no extra device sync."""
+
+    start: int  # cache index (absolute position) of the block's first token
+    tokens: list[int]
+    editable: list[bool]  # False at prompt positions inside the block
+    num_initial_masks: int
+    step: int = 0  # denoise forwards taken on this block
+    resolved: bool = False  # all masks filled: the next forward is the commit forward
+    # Per-row algorithm state kept on the device between steps (0-d tensors).
+    algo_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    transfers: int = 0  # mask→token transfers so far (metrics)
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    algorithm: str
+    algo_config: dict[str, Any]
+    block_size: int
+    arrival: int = 0  # engine step at which it was added
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    stop_matched: str | int | None = None
+    # Memory (while RUNNING).
+    req_pool_idx: int | None = None
+    kv_pages: list[int] = field(default_factory=list)
+    # Progress.
+    prefilled_len: int = 0  # prompt tokens whose KV is cached
+    block: BlockState | None = None
+    num_forward_passes: int = 0
+    num_denoise_forwards: int = 0
+    num_commit_forwards: int = 0
+    num_blocks_committed: int = 0
+    # Embedding requests: options, running pooled sums across prefill chunks, the result.
+    embed_normalize: bool | None = None
+    embed_dimensions: int | None = None
+    pool_state: dict[str, Any] = field(default_factory=dict)
+    embedding: list[float] | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Prompt tokens prefilled in ``EXTEND``: the full prompt blocks (DESIGN §4)."""
+        return (self.prompt_len // self.block_size) * self.block_size
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.prefilled_len < self.prefill_target
+
+    @property
+    def reserved_len(self) -> int:
+        """Tokens of KV this request may ever write: the prompt and every block that can hold
+        part of its output, rounded up to a whole block."""
+        end = self.prompt_len + self.params.max_new_tokens
+        return -(-end // self.block_size) * self.block_size
+
+    @property
+    def committed_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED

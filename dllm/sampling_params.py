@@ -1,0 +1,86 @@
+"""Per-request generation settings (the library contract, DESIGN §10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dllm.algorithms.base import KNOWN_KEYS
+
+# Per-request diffusion keys accepted inside ``SamplingParams.dllm`` (DESIGN §5).
+DLLM_KEYS = KNOWN_KEYS
+
+
+@dataclass
+class SamplingParams:
+    """How one request is generated.
+
+    ``max_new_tokens`` caps the output; a block is still denoised whole (DESIGN §4) and the
+    output is cut inside it. ``temperature == 0`` is greedy and deterministic. ``seed`` fixes
+    the request's own random stream (independent of the batch it runs in). ``dllm`` holds
+    per-request diffusion settings, e.g. ``{"algorithm": "threshold", "threshold": 0.9}``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    dllm: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.dllm = dict(self.dllm or {})
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        _check_int("max_new_tokens", self.max_new_tokens, lo=1)
+        _check_number("temperature", self.temperature, lo=0.0)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, lo=-1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a boolean")
+        unknown = sorted(set(self.dllm) - DLLM_KEYS)
+        if unknown:
+            raise ValueError(f"unknown dllm setting(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(DLLM_KEYS))}")
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 means no top-k filtering (-1 is accepted as vLLM's spelling of the same)."""
+        return max(self.top_k, 0)
+
+
+def _check_int(name: str, value: Any, lo: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_number(name: str, value: Any, lo: float | None = None,
+                  hi: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")

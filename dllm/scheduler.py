@@ -1,0 +1,160 @@
+"""The scheduler's shared half: the waiting queue, admission bounded by memory, finishing and
+memory accounting. Each generation kind (block diffusion, autoregressive, ...) subclasses it
+and says which forwards one engine step runs (``schedule``)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dllm.memory import ReqToTokenPool, TokenToKVPool
+from dllm.request import FinishReason, Req, ReqStatus
+from dllm.runner.forward_batch import ScheduledBatch
+from dllm.stop import StopChecker
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_prefill_tokens: int
+    block_size: int = 1  # tokens of a block (1 for autoregressive models)
+    mask_token_id: int | None = None
+
+
+@dataclass
+class Work:
+    """One forward the scheduler wants run, and how to consume its output. Both callables
+    take the batch actually run, so the engine may split ``batch`` into its rows
+    (``ScheduledBatch.row``) and run them one by one when the whole batch fails."""
+
+    batch: ScheduledBatch
+    apply: Callable[[ScheduledBatch, Any], list[Req]]  # the one host read happens here
+    make_post: Callable[[ScheduledBatch], Any] | None = None  # the device post-step
+
+
+class Scheduler(ABC):
+    def __init__(self, config: SchedulerConfig, req_pool: ReqToTokenPool,
+                 kv_pool: TokenToKVPool, stop_checker: StopChecker):
+        self.config = config
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.stop_checker = stop_checker
+        self.waiting: deque[Req] = deque()
+        self.running: dict[str, Req] = {}  # admission order
+
+    @abstractmethod
+    def schedule(self) -> list[Work]:
+        """The forwards of one engine step, in order."""
+
+    # ---- queue -------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        pages = self.kv_pool.pages_for(req.reserved_len)
+        if pages > self.kv_pool.num_usable_pages or req.reserved_len > self.req_pool.max_context:
+            cap = min(self.kv_pool.num_usable_pages * self.kv_pool.page_size,
+                      self.req_pool.max_context)
+            raise ValueError(
+                f"request needs {req.reserved_len} tokens of KV cache (prompt + max_new_tokens, "
+                f"rounded up to a block); the engine holds at most {cap}")
+        if req.rid in self.running or any(r.rid == req.rid for r in self.waiting):
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.finish(req, FinishReason.ABORT)
+                return req
+        req = self.running.get(rid)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- memory ------------------------------------------------------------------------
+    def _try_admit(self, req: Req) -> bool:
+        pages = self.kv_pool.pages_for(req.reserved_len)
+        if pages > self.kv_pool.num_free_pages or self.req_pool.num_free == 0:
+            return False
+        req.req_pool_idx = self.req_pool.alloc()
+        req.kv_pages = self.kv_pool.alloc_pages(pages)
+        n = req.reserved_len
+        self.req_pool.req_to_token[req.req_pool_idx, :n] = self.kv_pool.slots_for(
+            req.kv_pages, 0, n).to(self.req_pool.req_to_token.device)
+        req.status = ReqStatus.RUNNING
+        self.running[req.rid] = req
+        return True
+
+    def admit(self) -> None:
+        """FIFO admission; the head waits for memory rather than being overtaken, so a large
+        request is never starved by a stream of small ones."""
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            if not self._try_admit(self.waiting[0]):
+                break
+            self.waiting.popleft()
+
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        """End a request for any reason; its request slot and KV pages return at once."""
+        req.finish_reason = reason
+        req.error = error
+        req.status = ReqStatus.FINISHED
+        req.block = None
+        self.running.pop(req.rid, None)
+        if req.req_pool_idx is not None:
+            self.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        if req.kv_pages:
+            self.kv_pool.free_pages(req.kv_pages)
+            req.kv_pages = []
+
+    def check_memory(self) -> None:
+        """Accounting: every page and request slot is either free or held by a running
+        request, exactly once. Raises ``AssertionError`` on a leak or double-free."""
+        held = [p for r in self.running.values() for p in r.kv_pages]
+        assert len(held) == len(set(held)), "a KV page is held twice"
+        assert len(held) + self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages, (
+            f"KV pages leaked: {self.kv_pool.num_usable_pages} usable, "
+            f"{self.kv_pool.num_free_pages} free, {len(held)} held")
+        slots = [r.req_pool_idx for r in self.running.values()]
+        assert len(slots) + self.req_pool.num_free == self.req_pool.max_reqs, "request slots leaked"
+
+    # ---- shared steps ------------------------------------------------------------------
+    def chunk_prefill(self, target: Callable[[Req], int], granule: int) -> list[tuple[Req, int, int]]:
+        """Prompt chunks ``(req, start, end)`` for this step's prefill forward: admitted
+        requests in order, each advanced from its ``prefilled_len`` towards ``target(req)`` in
+        multiples of ``granule`` tokens (a block), within ``max_prefill_tokens`` (at least one
+        granule always fits)."""
+        self.admit()
+        budget = self.config.max_prefill_tokens
+        rows: list[tuple[Req, int, int]] = []
+        for req in self.running.values():
+            goal = target(req)
+            if req.prefilled_len >= goal:
+                continue
+            room = budget // granule * granule
+            if room == 0:
+                if rows:
+                    break
+                room = granule
+            end = min(goal, req.prefilled_len + room)
+            rows.append((req, req.prefilled_len, end))
+            budget -= end - req.prefilled_len
+            if budget < granule:
+                break
+        return rows
+
+    def commit_tokens(self, req: Req, new_tokens: list[int]) -> bool:
+        """Apply the stop rules to newly final tokens; returns True if the request ended."""
+        res = self.stop_checker.check(req, new_tokens)
+        req.output_ids.extend(res.keep)
+        req.stop_matched = res.matched
+        if res.finish_reason is not None:
+            self.finish(req, res.finish_reason)
+            return True
+        return False

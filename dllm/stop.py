@@ -1,0 +1,76 @@
+"""End-of-output rules (DESIGN §4 "End"): EOS, stop ids, stop strings and the length cap,
+searched over a whole committed block, output cut after the first stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dllm.request import FinishReason, Req
+
+
+@dataclass(frozen=True)
+class StopResult:
+    keep: list[int]  # tokens of the block that join the output
+    finish_reason: FinishReason | None
+    matched: str | int | None = None  # the stop string or token id that ended the output
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check(self, req: Req, new_tokens: list[int]) -> StopResult:
+        """What of ``new_tokens`` (the block's generated tokens, in order) to keep."""
+        p = req.params
+        cut, reason, matched = len(new_tokens), None, None
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        for i, t in enumerate(new_tokens):
+            if t in stop_ids:
+                cut, reason, matched = i + 1, FinishReason.STOP, t
+                break
+        if p.stop:
+            hit = self._first_stop_string(req.output_ids, new_tokens[:cut], p.stop)
+            if hit is not None:
+                cut, reason, matched = hit[0], FinishReason.STOP, hit[1]
+        room = p.max_new_tokens - len(req.output_ids)
+        if cut >= room and (reason is None or cut > room):
+            return StopResult(new_tokens[:room], FinishReason.LENGTH)
+        return StopResult(new_tokens[:cut], reason, matched)
+
+    def _first_stop_string(self, prev: list[int], new: list[int],
+                           stops: list[str]) -> tuple[int, str] | None:
+        """Fewest tokens of ``new`` after which the output text contains a stop string that
+        it did not contain before, and that string."""
+        if not new:
+            return None
+        base = self.decode(prev)
+        full = self.decode(prev + new)
+        # Only occurrences that end in the new text count; earlier ones ended the output.
+        horizon = max(0, len(base) - max(len(s) for s in stops) + 1)
+        best: tuple[int, str] | None = None
+        for s in stops:
+            at = full.find(s, horizon)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        end = best[0] + len(best[1])
+        for k in range(1, len(new) + 1):
+            if len(self.decode(prev + new[:k])) >= end and best[1] in self.decode(prev + new[:k])[horizon:]:
+                return k, best[1]
+        return len(new), best[1]
+
+    def output_text(self, req: Req) -> str:
+        """The request's text: special tokens skipped, cut before a matched stop string."""
+        text = self.decode(req.output_ids)
+        if isinstance(req.stop_matched, str):
+            at = text.find(req.stop_matched)
+            if at != -1:
+                text = text[:at]
+        return text

@@ -1,0 +1,60 @@
+"""The attention call every model makes. The model computes q/k/v (projections, norms, RoPE);
+the backend chosen by the runner (``forward_batch.attn_backend``) writes the KV cache and
+attends under the batch's mask. Models never branch on the backend or the hardware."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from dllm.runner.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the KV pool must hold for one model: K and V of ``num_kv_heads × head_dim`` per token
+    and layer (``v_head_dim`` when V differs from K)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What a backend needs to know about one attention layer."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float | None = None):
+        super().__init__()
+        self.spec = AttentionLayer(
+            layer_id, num_heads, num_kv_heads, head_dim,
+            head_dim**-0.5 if scaling is None else scaling,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """q ``[T, H*D]``, k/v ``[T, Hkv*D]`` → ``[T, H*D]``."""
+        s = self.spec
+        t = q.shape[0]
+        out = forward_batch.attn_backend.forward(
+            q.view(t, s.num_heads, s.head_dim),
+            k.view(t, s.num_kv_heads, s.head_dim),
+            v.view(t, s.num_kv_heads, s.head_dim),
+            s,
+            forward_batch,
+        )
+        return out.reshape(t, s.num_heads * s.head_dim)

@@ -1,0 +1,173 @@
+"""The pre-norm decoder every supported architecture is built from.
+
+``DecoderLM`` owns ``model.embed_tokens``, ``model.layers.{i}`` (``input_layernorm``,
+``self_attn``, ``post_attention_layernorm``, ``mlp``), ``model.norm`` and ``lm_head`` (absent when
+the head is tied to the embedding). Architecture files choose the attention and MLP modules and
+list the weight rules that rename their checkpoint tensors onto these names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from dllm.models.attention import Attention, KVCacheSpec
+from dllm.models.config import ModelConfig
+from dllm.models.layers import (
+    LMHead,
+    RMSNorm,
+    RopeSpec,
+    RotaryEmbedding,
+    VocabEmbedding,
+    head_rms_norm,
+)
+from dllm.models.moe import StackedExperts
+from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
+from torch import nn
+
+if TYPE_CHECKING:
+    from dllm.runner.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeSpec
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    norm_eps: float = 1e-6
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def hf_attention_spec(config: ModelConfig, *, qkv_bias: bool, out_bias: bool,
+                      qk_norm: bool) -> AttentionSpec:
+    """Attention hyperparameters under the HF Llama/Qwen key names."""
+    hidden = config.get_int("hidden_size")
+    heads = config.get_int("num_attention_heads")
+    head_dim = config.get_int("head_dim", hidden // heads)
+    return AttentionSpec(
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=config.get_int("num_key_value_heads", heads),
+        head_dim=head_dim,
+        rope=RopeSpec.from_config(config, head_dim),
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        qk_norm=qk_norm,
+        norm_eps=config.get_float("rms_norm_eps", 1e-6),
+    )
+
+
+class SelfAttention(nn.Module):
+    """``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ per-head ``q_norm``/``k_norm``) and RoPE."""
+
+    def __init__(self, spec: AttentionSpec, layer_id: int):
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.q_proj = nn.Linear(h, spec.q_size, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.kv_size, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, h, bias=spec.out_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.rope)
+        self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] ×2
+        if self.spec.qk_norm:
+            q = head_rms_norm(self.q_norm, q, self.spec.head_dim)
+            k = head_rms_norm(self.k_norm, k, self.spec.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:  # [T, H] -> [T, H]
+        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return self.norm(x)
+
+
+class DecoderLM(nn.Module):
+    """Base of every model: the model contract (``forward``, ``compute_logits``,
+    ``kv_cache_spec``) and the checkpoint weight rules."""
+
+    # Checkpoint name rules of the architecture (see ``dllm.models.weights``).
+    checkpoint_rules: tuple[WeightRule, ...] = ()
+
+    def __init__(self, config: ModelConfig, attn_spec: AttentionSpec, num_layers: int,
+                 vocab_size: int, tie_word_embeddings: bool,
+                 make_attention: Callable[[int], nn.Module],
+                 make_mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        self.config = config
+        self.attn_spec = attn_spec
+        self.tie_word_embeddings = tie_word_embeddings
+        h, eps = attn_spec.hidden_size, attn_spec.norm_eps
+        layers = [DecoderLayer(make_attention(i), make_mlp(i), h, eps) for i in range(num_layers)]
+        self.model = DecoderModel(vocab_size, h, layers, eps)
+        self.lm_head = None if tie_word_embeddings else LMHead(vocab_size, h)
+
+    @property
+    def weight_rules(self) -> tuple[WeightRule, ...]:
+        tied = (SKIP_TIED_HEAD,) if self.tie_word_embeddings else ()
+        return (SKIP_ROTARY, *tied, *self.checkpoint_rules)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` → final-norm hidden states ``[T, hidden]``."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` → ``[N, vocab]`` in the model dtype."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return torch.nn.functional.linear(hidden, head.weight)
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        """False when the forward reads device values on the host (the eager MoE expert loop),
+        which CUDA-graph capture forbids; such models run eagerly."""
+        return not any(isinstance(m, StackedExperts) for m in self.modules())
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        s = self.attn_spec
+        return KVCacheSpec(len(self.model.layers), s.num_kv_heads, s.head_dim)

@@ -1,0 +1,192 @@
+"""Layers shared by every architecture: RMSNorm, rotary embedding, SwiGLU MLP, vocab embedding
+and LM head. Plain PyTorch; token-major tensors (``[T, ...]``, no batch axis)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from dllm.models.config import ModelConfig
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, the statistics in float32 (as the HF reference models do)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one attention layer. ``rotary_dim < head_dim`` rotates only the
+    leading ``rotary_dim`` channels of each head (partial rotary); the rest pass through.
+    ``scaling`` holds the ``rope_scaling`` dict as sorted items (``None``: plain RoPE).
+    ``full_precision`` rotates in float32 and casts back (LLaDA); otherwise cos/sin are cast to
+    the activation dtype first (HF Llama/Qwen)."""
+
+    head_dim: int
+    rotary_dim: int
+    theta: float
+    scaling: tuple[tuple[str, Any], ...] | None = None
+    full_precision: bool = False
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, head_dim: int, theta_default: float = 10000.0,
+                    full_precision: bool = False) -> RopeSpec:
+        if config.get("partial_rotary_factor") is None and config.get("rotary_dim") is not None:
+            rotary_dim = config.get_int("rotary_dim")
+        else:
+            factor = config.get_float("partial_rotary_factor", 1.0)
+            if not 0.0 < factor <= 1.0:
+                raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
+            rotary_dim = int(head_dim * factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary dimension {rotary_dim} does not fit head_dim {head_dim}")
+        scaling = config.get("rope_scaling")
+        items = tuple(sorted(scaling.items())) if isinstance(scaling, dict) else None
+        if items is not None and _rope_type(dict(items)) == "default":
+            items = None
+        return cls(head_dim, rotary_dim, config.get_float("rope_theta", theta_default), items,
+                   full_precision)
+
+
+def _rope_type(scaling: dict[str, Any]) -> str:
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def rope_inv_freq(spec: RopeSpec, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[rotary_dim // 2]`` float32 inverse frequencies, as HF's ``ROPE_INIT_FUNCTIONS``."""
+    dim = spec.rotary_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (spec.theta**exponent)
+    if spec.scaling is None:
+        return inv_freq
+    scaling = dict(spec.scaling)
+    kind = _rope_type(scaling)
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    # yarn / dynamic / longrope change attention scaling or depend on the sequence length.
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF convention: the two halves of the rotated channels form the (real, imag) pairs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE at absolute ``positions`` to q ``[T, H*D]`` and k ``[T, Hkv*D]``."""
+
+    def __init__(self, spec: RopeSpec):
+        super().__init__()
+        self.spec = spec
+        self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the non-persistent buffer (after meta-device construction)."""
+        self.register_buffer("inv_freq", rope_inv_freq(self.spec, device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``cos``/``sin`` ``[T, 1, rotary_dim]``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rot]
+        return emb.cos(), emb.sin()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.spec.head_dim
+        x = x.view(t, x.shape[-1] // d, d)  # [T, H, D]
+        rot = self.spec.rotary_dim
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        if self.spec.full_precision:
+            out = (x_rot.float() * cos + rotate_half(x_rot.float()) * sin).to(x.dtype)
+        else:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            out = x_rot * cos + rotate_half(x_rot) * sin
+        if x_pass.shape[-1]:
+            out = torch.cat((out, x_pass), dim=-1)
+        return out.reshape(t, x.shape[1] * d)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def head_rms_norm(norm: RMSNorm, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Per-head RMSNorm (Qwen3/SDAR ``q_norm``, LLaDA2 ``query_layernorm``) of ``[T, H*D]``."""
+    t, width = x.shape
+    return norm(x.view(t, width // head_dim, head_dim)).view(t, width)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP, embedding, head
+# ---------------------------------------------------------------------------------------------
+
+
+def check_silu(config: ModelConfig, key: str = "hidden_act") -> None:
+    act = config.get_str(key, "silu")
+    if act not in ("silu", "swish", "swiglu"):
+        raise NotImplementedError(f"activation {act!r} is not supported (only SwiGLU/SiLU)")
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with the HF names ``gate_proj``/``up_proj``/``down_proj``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size).normal_(std=0.02))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size).normal_(std=0.02))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return F.linear(hidden, self.weight)

@@ -1,0 +1,25 @@
+"""Llama (``LlamaForCausalLM``); ``attention_bias`` covers q/k/v/o, ``mlp_bias`` the MLP.
+``rope_scaling`` of type ``llama3`` and ``linear`` is supported."""
+
+from __future__ import annotations
+
+from dllm.models.config import ModelConfig
+from dllm.models.decoder import DecoderLM, SelfAttention, hf_attention_spec
+from dllm.models.layers import SwiGLUMLP, check_silu
+
+
+class LlamaForCausalLM(DecoderLM):
+    def __init__(self, config: ModelConfig):
+        check_silu(config)
+        bias = config.get_bool("attention_bias", False)
+        mlp_bias = config.get_bool("mlp_bias", False)
+        spec = hf_attention_spec(config, qkv_bias=bias, out_bias=bias, qk_norm=False)
+        inter = config.get_int("intermediate_size")
+        super().__init__(
+            config, spec,
+            num_layers=config.get_int("num_hidden_layers"),
+            vocab_size=config.get_int("vocab_size"),
+            tie_word_embeddings=config.get_bool("tie_word_embeddings", False),
+            make_attention=lambda i: SelfAttention(spec, i),
+            make_mlp=lambda i: SwiGLUMLP(spec.hidden_size, inter, bias=mlp_bias),
+        )

@@ -1,0 +1,211 @@
+"""Load a Hugging Face checkpoint directory: ``config.json`` + safetensors (one file, or shards
+listed in ``model.safetensors.index.json``). No pickle.
+
+The model is built on the meta device, then every parameter is replaced by the checkpoint tensor
+read straight onto the target device in the requested dtype, so weights are materialised once.
+Names go through the model's ``weight_rules`` (``dllm.models.weights``); a missing, unexpected
+or wrongly shaped tensor raises ``WeightLoadError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from dllm.models.config import ModelConfig
+from dllm.models.registry import ArchitectureSpec, get_architecture
+from dllm.models.weights import WeightRule, WeightTarget, resolve_weight
+from safetensors import safe_open
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's tensors do not fit the model."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in a fixed order."""
+    index = path / INDEX_FILE
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists missing shards: {missing}")
+        return files
+    if (path / SINGLE_FILE).exists():
+        return [path / SINGLE_FILE]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise FileNotFoundError(f"{path}: only pickle checkpoints found; safetensors are required")
+    raise FileNotFoundError(f"{path}: no safetensors checkpoint")
+
+
+def iter_checkpoint(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def _expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers: what the checkpoint must provide."""
+    expected = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                expected[f"{module_name}.{name}" if module_name else name] = buf
+    return expected
+
+
+def _fp32_names(model: nn.Module) -> set[str]:
+    """Tensors a module asks to keep in float32 (``fp32_params``), e.g. router weights."""
+    names: set[str] = set()
+    for module_name, module in model.named_modules():
+        for leaf in getattr(module, "fp32_params", ()):
+            names.add(f"{module_name}.{leaf}" if module_name else leaf)
+    return names
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+class _Assembler:
+    """Collects checkpoint tensors into the model's parameters, checking names and shapes."""
+
+    def __init__(self, model: nn.Module, rules: tuple[WeightRule, ...], dtype: torch.dtype,
+                 device: torch.device):
+        self.model = model
+        self.rules = rules
+        self.dtype = dtype
+        self.device = device
+        self.expected = _expected_tensors(model)
+        self.fp32 = _fp32_names(model)
+        self.done: set[str] = set()
+        self.stacks: dict[str, tuple[torch.Tensor, list[bool]]] = {}
+        self.unexpected: list[str] = []
+
+    def _dtype_for(self, name: str, source: torch.Tensor) -> torch.dtype:
+        if not source.is_floating_point():
+            return source.dtype
+        return torch.float32 if name in self.fp32 else self.dtype
+
+    def add(self, ckpt_name: str, tensor: torch.Tensor) -> None:
+        target = resolve_weight(self.rules, ckpt_name)
+        if target is None:
+            return
+        if target.name not in self.expected:
+            self.unexpected.append(ckpt_name)
+            return
+        if target.index is None:
+            self._add_plain(ckpt_name, target, tensor)
+        else:
+            self._add_stacked(ckpt_name, target, tensor)
+
+    def _add_plain(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
+        want = tuple(self.expected[target.name].shape)
+        if tuple(tensor.shape) != want:
+            raise WeightLoadError(
+                f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, but parameter "
+                f"{target.name!r} expects {want}")
+        if target.name in self.done:
+            raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} sets {target.name!r} twice")
+        value = tensor.to(device=self.device, dtype=self._dtype_for(target.name, tensor))
+        _set_tensor(self.model, target.name, value)
+        self.done.add(target.name)
+
+    def _add_stacked(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
+        want = tuple(self.expected[target.name].shape)
+        index = target.index
+        if not 0 <= index < want[0] or tuple(tensor.shape) != want[1:]:
+            raise WeightLoadError(
+                f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) does not fit "
+                f"slice [{index}] of parameter {target.name!r} of shape {want}")
+        if target.name not in self.stacks:
+            buf = torch.empty(want, dtype=self._dtype_for(target.name, tensor), device=self.device)
+            self.stacks[target.name] = (buf, [False] * want[0])
+        buf, filled = self.stacks[target.name]
+        if filled[index]:
+            raise WeightLoadError(
+                f"checkpoint tensor {ckpt_name!r} sets {target.name}[{index}] twice")
+        buf[index].copy_(tensor)
+        filled[index] = True
+
+    def finish(self) -> None:
+        if self.unexpected:
+            raise WeightLoadError(
+                f"unexpected checkpoint tensors (no parameter of {type(self.model).__name__} "
+                f"takes them): {self.unexpected[:20]}"
+                + (f" and {len(self.unexpected) - 20} more" if len(self.unexpected) > 20 else ""))
+        missing: list[str] = []
+        for name, (buf, filled) in self.stacks.items():
+            missing += [f"{name}[{i}]" for i, ok in enumerate(filled) if not ok]
+            _set_tensor(self.model, name, buf)
+            self.done.add(name)
+        missing += sorted(set(self.expected) - self.done)
+        if missing:
+            raise WeightLoadError(f"checkpoint lacks tensors for parameters: {missing[:20]}"
+                                  + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+
+
+def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> nn.Module:
+    """Fill ``model`` (built on any device, typically meta) from the safetensors in ``path``."""
+    path, device = Path(path), torch.device(device)
+    assembler = _Assembler(model, tuple(getattr(model, "weight_rules", ())), dtype, device)
+    for name, tensor in iter_checkpoint(checkpoint_files(path), device):
+        assembler.add(name, tensor)
+    assembler.finish()
+    for module in model.modules():
+        init = getattr(module, "init_buffers", None)
+        if init is not None:
+            init(device)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise WeightLoadError(f"tensors left uninitialised after loading: {still_meta}")
+    return model.eval()
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(config: ModelConfig, dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` itself, or for ``"auto"`` the config's ``torch_dtype`` (newer: ``dtype``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype
+    if dtype == "auto":
+        name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'")
+    return _DTYPE_NAMES[name]
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, ArchitectureSpec, ModelConfig]:
+    """Build the model of the checkpoint at ``path`` (dispatch on ``architectures[0]``) and load
+    its weights, cast to ``dtype`` (a torch dtype, its name, or ``"auto"`` for the config's
+    ``torch_dtype``), onto ``device``."""
+    path = Path(path)
+    config = ModelConfig.from_file(path / "config.json")
+    spec = get_architecture(config.architecture)
+    with torch.device("meta"):
+        model = spec.model_cls(config)
+    load_weights(model, path, resolve_dtype(config, dtype), device)
+    return model, spec, config

@@ -1,0 +1,133 @@
+"""Mixture-of-experts pieces: stacked SwiGLU experts and the routers of the supported families.
+
+Routers are pure functions of the router logits, so tests can compare the selected experts with
+a reference directly. ``StackedExperts.forward`` is the exact eager path (one matmul group per
+hit expert, like the HF references); it reads the hit experts on the host, so a fused grouped-GEMM
+kernel should replace it where CUDA graphs capture MoE layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from dllm.models.layers import SwiGLUMLP
+from torch import nn
+
+
+class StackedExperts(nn.Module):
+    """``E`` SwiGLU experts, weights stacked on a leading expert axis:
+    ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, std=0.02)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on ``x`` ``[n, H]`` → ``[n, H]``."""
+        return F.linear(F.silu(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e]),
+                        self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]``, ``topk_ids``/``topk_weights`` ``[T, K]`` → ``Σ_k w_k·expert_k(x)``."""
+        out = torch.zeros_like(x)
+        weights = topk_weights.to(x.dtype)
+        for e in torch.unique(topk_ids).tolist():  # ascending, as the references loop
+            token, slot = torch.where(topk_ids == e)
+            y = self.expert(e, x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers
+# ---------------------------------------------------------------------------------------------
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE / OLMoE routing: float32 softmax over experts, top-k, optional renormalisation.
+    ``bias`` (LLaDA-MoE ``expert_bias``) is added to the probabilities before the top-k and the
+    biased values are the weights, as in that reference. Returns float32 weights and int64 ids,
+    both ``[T, K]``."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    if bias is not None:
+        probs = probs + bias.float()
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_topk_ids(scores: torch.Tensor, top_k: int, n_group: int,
+                     topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3 style group-limited selection: experts form ``n_group`` contiguous groups, a
+    group's score is the sum of its two best experts, only the ``topk_group`` best groups stay
+    eligible, then the ``top_k`` best eligible experts are taken. ``scores`` ``[T, E]``."""
+    t, e = scores.shape
+    if n_group <= 1:
+        return torch.topk(scores, top_k, dim=-1).indices
+    grouped = scores.view(t, n_group, e // n_group)  # [T, G, E/G]
+    group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    group_idx = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, e)
+    masked = scores.masked_fill(~expert_mask, float("-inf"))
+    return torch.topk(masked, top_k, dim=-1).indices
+
+
+def sigmoid_grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                         selection_bias: torch.Tensor | None, renormalize: bool,
+                         scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2 / Ling routing. Sigmoid scores; ``selection_bias`` (``expert_bias``) only decides
+    which experts are chosen; the weights are the unbiased scores of the chosen experts,
+    normalised (when ``renormalize`` and ``top_k > 1``) and then multiplied by
+    ``scaling_factor``. float32 throughout."""
+    scores = torch.sigmoid(router_logits.float())  # [T, E]
+    for_choice = scores if selection_bias is None else scores + selection_bias.float()
+    ids = grouped_topk_ids(for_choice, top_k, n_group, topk_group)
+    weights = torch.gather(scores, 1, ids)
+    if renormalize and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax-routed MoE block (Qwen3-MoE, SDAR-MoE, LLaDA-MoE)
+# ---------------------------------------------------------------------------------------------
+
+
+class SoftmaxMoE(nn.Module):
+    """Router ``gate`` (``[E, H]``, no bias) + stacked experts, optional ``expert_bias`` and an
+    optional always-on ``shared_expert`` added to the routed output."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, expert_bias: bool = False,
+                 shared_intermediate_size: int | None = None):
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        else:
+            self.expert_bias = None
+        self.shared_expert = (SwiGLUMLP(hidden_size, shared_intermediate_size)
+                              if shared_intermediate_size else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 weights and int64 expert ids, ``[T, K]``."""
+        return softmax_topk(self.gate(x), self.top_k, self.renormalize, self.expert_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, ids = self.route(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out

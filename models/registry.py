@@ -1,0 +1,87 @@
+"""The explicit architecture registry: ``architectures[0]`` of ``config.json`` → model class and
+the serving facts of that family (DESIGN §4). Dispatch never looks at ``model_type``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dllm.models.dream import DreamModel
+from dllm.models.fast_dllm import Fast_dLLM_QwenForCausalLM
+from dllm.models.llada import LLaDAModelLM
+from dllm.models.llada2 import LLaDA2MoeModelLM
+from dllm.models.llada_moe import LLaDAMoEModelLM
+from dllm.models.llama import LlamaForCausalLM
+from dllm.models.qwen2 import Qwen2ForCausalLM
+from dllm.models.qwen3 import Qwen3ForCausalLM
+from dllm.models.sdar import SDARForCausalLM
+from dllm.models.sdar_moe import SDARMoeForCausalLM
+from torch import nn
+
+ModelKind = Literal["block_diffusion", "full_diffusion", "causal_lm"]
+AttentionKind = Literal["block_causal", "full", "causal"]
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """What the engine needs to know about one architecture besides its network.
+
+    ``default_mask_id``/``default_block_size`` are the last resort of the resolution order of
+    DESIGN §4 (engine argument → ``config.json`` → tokenizer → default). ``block_size_keys`` are
+    the ``config.json`` keys that may carry the block size, in order. ``logits_shift`` is 1 when
+    the logits that predict position ``p`` come out at position ``p - 1`` (AR-initialised models:
+    the runner shifts them, the model never does), else 0. ``default_sub_block_size`` is
+    Fast-dLLM v2's sub-block. ``mask_token_strings`` are the mask tokens the tokenizer lookup
+    tries."""
+
+    name: str
+    model_cls: type[nn.Module]
+    kind: ModelKind
+    attention: AttentionKind
+    default_mask_id: int | None = None
+    default_block_size: int | None = None
+    logits_shift: int = 0
+    default_sub_block_size: int | None = None
+    mask_token_strings: tuple[str, ...] = ()
+    block_size_keys: tuple[str, ...] = ("block_size",)
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.kind != "causal_lm"
+
+
+_SPECS = (
+    ArchitectureSpec("SDARForCausalLM", SDARForCausalLM, "block_diffusion", "block_causal",
+                     default_mask_id=151669, default_block_size=4,
+                     mask_token_strings=("<|MASK|>",)),
+    ArchitectureSpec("SDARMoeForCausalLM", SDARMoeForCausalLM, "block_diffusion", "block_causal",
+                     default_mask_id=151669, default_block_size=4,
+                     mask_token_strings=("<|MASK|>",)),
+    ArchitectureSpec("LLaDA2MoeModelLM", LLaDA2MoeModelLM, "block_diffusion", "block_causal",
+                     default_mask_id=156895, default_block_size=32,
+                     mask_token_strings=("<|mask|>",)),
+    ArchitectureSpec("Fast_dLLM_QwenForCausalLM", Fast_dLLM_QwenForCausalLM, "block_diffusion",
+                     "block_causal", default_mask_id=151665, default_block_size=32,
+                     logits_shift=1, default_sub_block_size=8,
+                     mask_token_strings=("|<MASK>|",), block_size_keys=("bd_size", "block_size")),
+    ArchitectureSpec("LLaDAModelLM", LLaDAModelLM, "full_diffusion", "full",
+                     default_mask_id=126336, mask_token_strings=("<|mdm_mask|>",)),
+    ArchitectureSpec("LLaDAMoEModelLM", LLaDAMoEModelLM, "full_diffusion", "full",
+                     default_mask_id=156895, mask_token_strings=("<|mask|>",)),
+    ArchitectureSpec("DreamModel", DreamModel, "full_diffusion", "full",
+                     default_mask_id=151666, logits_shift=1, mask_token_strings=("<|mask|>",)),
+    ArchitectureSpec("Qwen3ForCausalLM", Qwen3ForCausalLM, "causal_lm", "causal", logits_shift=1),
+    ArchitectureSpec("Qwen2ForCausalLM", Qwen2ForCausalLM, "causal_lm", "causal", logits_shift=1),
+    ArchitectureSpec("LlamaForCausalLM", LlamaForCausalLM, "causal_lm", "causal", logits_shift=1),
+)
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def get_architecture(name: str) -> ArchitectureSpec:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
+        ) from None

@@ -1,0 +1,31 @@
+"""Attention backends (DESIGN §8). FlashInfer is imported lazily; the CPU path never does."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from dllm.runner.attention.base import AttentionBackend
+from dllm.runner.attention.sdpa import SDPABackend
+
+
+def flashinfer_available() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks FlashInfer on CUDA when it is installed, else SDPA."""
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"
+    if name == "sdpa":
+        return SDPABackend()
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        if not flashinfer_available():
+            raise ValueError("attention_backend='flashinfer' needs the 'gpu' extra "
+                             "(pip install 'dllm[gpu]')")
+        from dllm.runner.attention.flashinfer import FlashInferBackend
+
+        return FlashInferBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, sdpa or flashinfer")

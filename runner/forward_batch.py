@@ -1,0 +1,164 @@
+"""The runner's batch form: device tensors for one forward pass (DESIGN §3, §7).
+
+The scheduler hands the runner a CPU ``ScheduledBatch``; the runner turns it into a
+``ForwardBatch`` whose tensors live on the device (views into the static input registry).
+Models read only ``ForwardBatch``; attention backends read the index fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from dllm.runner.attention.base import AttentionBackend, KVCache
+
+
+class ForwardMode(enum.Enum):
+    """What kind of forward pass a batch is (DESIGN §3)."""
+
+    EXTEND = "extend"  # ragged prefill: prompts, AR prefill, embeddings, exact full recompute
+    DLLM_EXTEND = "dllm_extend"  # one denoise (or commit) step over exactly block_size tokens/row
+    DECODE = "decode"  # one token per request, causal over the cache
+    IDLE = "idle"  # no requests on this rank; still joins collectives
+
+    @property
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.DLLM_EXTEND)
+
+
+class AttentionMask(enum.Enum):
+    """Which keys a query may see. Key and query indices are cache indices (absolute positions
+    counted from token 0 of the sequence), so every rule is a function of two integers."""
+
+    CAUSAL = "causal"  # key j visible to query i iff j <= i
+    BLOCK_CAUSAL = "block_causal"  # iff (j - block_offset) // B <= (i - block_offset) // B
+    FULL = "full"  # every key of the sequence (up to seq_len)
+
+
+class LogitsMode(enum.Enum):
+    ALL = "all"  # logits for every query token (denoise steps)
+    LAST = "last"  # logits for the last query token of each request (AR prefill)
+    NONE = "none"  # hidden states only (prompt prefill of a dLLM, embeddings)
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass. Token-axis tensors are ``[T]`` (T = sum of extend_lens), request-axis
+    tensors are ``[bs]``. The ``*_cpu`` lists mirror request-axis tensors on the host: the
+    scheduler knew them before the batch was built, so reading them costs no device sync.
+
+    Query tokens of request r occupy cache indices ``[prefix_len, prefix_len + extend_len)``
+    and attend to keys at cache indices ``[0, seq_len)`` under ``attention_mask``. Normally
+    ``seq_len == prefix_len + extend_len``; a dual cache (full-attention dLLMs) also attends to
+    a cached suffix, so there ``seq_len`` is larger."""
+
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute RoPE positions
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
+    prefix_lens: torch.Tensor  # [bs] int64, cached tokens this forward attends to but does not write
+    extend_lens: torch.Tensor  # [bs] int64, query tokens per request
+    seq_lens: torch.Tensor  # [bs] int64, keys attended: cache indices [0, seq_len)
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot written for each query token
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    attention_mask: AttentionMask = AttentionMask.CAUSAL
+    block_size: int = 1  # for BLOCK_CAUSAL
+    block_offset: int = 0  # for BLOCK_CAUSAL: blocks start at this cache index
+    logits_mode: LogitsMode = LogitsMode.ALL
+    req_to_token: torch.Tensor | None = None  # [max_reqs, max_context] int64 slot table
+    kv_pool: KVCache | None = None
+    attn_backend: AttentionBackend | None = None
+    # Backend-private planning state (e.g. FlashInfer wrappers), built once per forward.
+    attn_metadata: object | None = None
+    # Post-step inputs copied from ScheduledBatch.row_inputs/token_inputs/row_tensors.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_groups: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def extend_start_loc_cpu(self) -> list[int]:
+        starts, acc = [], 0
+        for n in self.extend_lens_cpu:
+            starts.append(acc)
+            acc += n
+        return starts
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[bs] index into the token axis of each request's last query token."""
+        return torch.cumsum(self.extend_lens, dim=0) - 1
+
+
+@dataclass
+class ScheduledBatch:
+    """The scheduler's CPU batch: host lists only, built without touching the device.
+
+    ``row_inputs`` are per-request numbers (``[bs]``) and ``token_inputs`` per-token numbers
+    (``[T]``) that the post-forward step (the unmasking algorithm) reads; ``row_tensors`` are
+    per-request values that already live on the device (algorithm state), each ``[bs]``.
+    The runner copies all of them into its static input registry."""
+
+    mode: ForwardMode
+    rids: list[str] = field(default_factory=list)
+    req_pool_indices: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    attention_mask: AttentionMask = AttentionMask.CAUSAL
+    block_size: int = 1
+    block_offset: int = 0
+    logits_mode: LogitsMode = LogitsMode.ALL
+    row_inputs: dict[str, list[float] | list[int]] = field(default_factory=dict)
+    token_inputs: dict[str, list[float] | list[int]] = field(default_factory=dict)
+    row_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Host-side grouping the post step may use (e.g. the algorithm name of each row).
+    row_groups: list[str] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def add_row(self, rid: str, req_pool_idx: int, token_ids: list[int], start: int,
+                seq_len: int | None = None) -> None:
+        """Append one request's query tokens, placed at cache indices (= absolute positions)
+        ``[start, start + len(token_ids))`` on top of a cached prefix of ``start`` tokens."""
+        n = len(token_ids)
+        self.rids.append(rid)
+        self.req_pool_indices.append(req_pool_idx)
+        self.input_ids.extend(token_ids)
+        self.positions.extend(range(start, start + n))
+        self.prefix_lens.append(start)
+        self.extend_lens.append(n)
+        self.seq_lens.append(start + n if seq_len is None else seq_len)
+
+    def row(self, i: int) -> ScheduledBatch:
+        """Row ``i`` alone (a one-request batch with the same settings)."""
+        start = sum(self.extend_lens[:i])
+        end = start + self.extend_lens[i]
+        one = ScheduledBatch(
+            mode=self.mode, attention_mask=self.attention_mask, block_size=self.block_size,
+            block_offset=self.block_offset, logits_mode=self.logits_mode,
+            row_inputs={k: v[i : i + 1] for k, v in self.row_inputs.items()},
+            token_inputs={k: v[start:end] for k, v in self.token_inputs.items()},
+            row_tensors={k: v[i : i + 1] for k, v in self.row_tensors.items()},
+            row_groups=self.row_groups[i : i + 1],
+        )
+        one.add_row(self.rids[i], self.req_pool_indices[i], self.input_ids[start:end],
+                    self.prefix_lens[i], self.seq_lens[i])
+        return one

@@ -1,0 +1,273 @@
+"""The block-diffusion engine against the naive reference, batching, memory and stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dllm.runner.forward_batch import ForwardMode
+
+from dllm import LLM, SamplingParams
+from dllm.request import FinishReason
+from tests.naive_reference import naive_block_diffusion
+
+B = 4  # SDAR's block size
+
+ALGORITHMS = {
+    "low_confidence_static": {"steps_per_block": 2},
+    "low_confidence_dynamic": {"threshold": 0.5, "steps_per_block": 4},
+    "threshold": {"threshold": 0.6},
+    "joint_threshold": {"threshold": 0.6, "edit_threshold": 0.5, "max_post_edit_steps": 2},
+    "entropy_bounded": {"eb_gamma": 1.0},
+}
+# Shorter than, equal to, longer than a block; a multiple of blocks; many blocks.
+PROMPT_LENGTHS = [2, 4, 7, 8, 13]
+
+
+@pytest.fixture(scope="module")
+def llm(sdar_dir) -> LLM:
+    return LLM(sdar_dir, max_running_requests=16, page_size=4)
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(1000 + 17 * n + salt)
+    return torch.randint(10, 200, (n,), generator=g).tolist()
+
+
+def reference(llm: LLM, prompt: list[int], params: SamplingParams, algorithm: str,
+              config: dict) -> list[int]:
+    e = llm.engine
+    stop = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop |= set(e.info.eos_token_ids)
+    return naive_block_diffusion(
+        e.model, prompt, block_size=e.block_size, mask_id=e.mask_token_id, algorithm=algorithm,
+        algo_config=config, max_new_tokens=params.max_new_tokens, stop_ids=stop,
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        seed=params.seed or 0,
+    )
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("n", PROMPT_LENGTHS)
+def test_engine_equals_naive_reference(llm, algorithm, n):
+    prompt = prompt_of(n)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, seed=3,
+                            dllm={"algorithm": algorithm, **ALGORITHMS[algorithm]})
+    out = llm.generate(prompt, params)[0]
+    want = reference(llm, prompt, params, algorithm, ALGORITHMS[algorithm])
+    assert out.token_ids == want
+    assert out.finish_reason == "length"
+    assert out.prompt_tokens == n
+    llm.engine.check_memory()
+
+
+@pytest.mark.parametrize("algorithm", ["low_confidence_static", "threshold"])
+def test_sampling_equals_naive_reference(llm, algorithm):
+    prompt = prompt_of(6)
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True, temperature=0.8, top_k=50,
+                            top_p=0.9, seed=11,
+                            dllm={"algorithm": algorithm, **ALGORITHMS[algorithm]})
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == reference(llm, prompt, params, algorithm, ALGORITHMS[algorithm])
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_stop_token_inside_a_block(llm, n):
+    """A stop id met mid-block ends the output right after it, in engine and reference."""
+    prompt = prompt_of(n, salt=5)
+    free = llm.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    # Pick a token that first appears strictly inside a block (not at its last position).
+    first_block = B - n % B
+    pos = next(i for i in range(len(free)) if (i - first_block) % B not in (B - 1,)
+               and free.index(free[i]) == i and i > 0)
+    stop_id = free[pos]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == free[: pos + 1]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == reference(llm, prompt, params, llm.engine.algorithm_name,
+                                      dict(llm.engine.algorithm_config))
+    llm.engine.check_memory()
+
+
+def test_eos_from_config_ends_inside_block(tmp_path):
+    """EOS read from the checkpoint (not from the request) stops generation mid-block."""
+    from dllm.testing import make_tiny_checkpoint
+
+    base = LLM(make_tiny_checkpoint("SDARForCausalLM", tmp_path / "a", seed=0))
+    prompt = prompt_of(5, salt=9)
+    free = base.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    eos = free[4]
+    k = free.index(eos)
+    llm = LLM(make_tiny_checkpoint("SDARForCausalLM", tmp_path / "b", seed=0,
+                                   eos_token_id=eos))
+    assert eos in llm.engine.info.eos_token_ids
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=12))[0]
+    assert out.token_ids == free[: k + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_max_new_tokens_cuts_inside_block(llm):
+    prompt = prompt_of(5)
+    long = llm.generate(prompt, SamplingParams(max_new_tokens=11, ignore_eos=True))[0]
+    short = llm.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert short.token_ids == long.token_ids[:6]
+    assert short.finish_reason == "length"
+
+
+def test_batch_invariance_with_staggered_arrivals(llm):
+    """Each request gives the same tokens alone and inside a batch of 8 mixed-length requests
+    that arrive at different engine steps."""
+    e = llm.engine
+    lengths = [1, 3, 4, 6, 8, 9, 13, 17]
+    algos = ["low_confidence_dynamic", "threshold", "low_confidence_static", "entropy_bounded"]
+    params = [SamplingParams(max_new_tokens=7 + i, ignore_eos=True, seed=i,
+                             temperature=0.7 if i % 3 == 0 else 0.0,
+                             dllm={"algorithm": algos[i % 4], **ALGORITHMS[algos[i % 4]]})
+              for i in range(8)]
+    prompts = [prompt_of(n, salt=1) for n in lengths]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    pending = list(reqs)
+    while any(not r.finished for r in reqs):
+        if pending:  # one new arrival per engine step
+            e.add_request(pending.pop(0))
+        e.step()
+    assert [e.output_of(r).token_ids for r in reqs] == alone
+    e.check_memory()
+
+
+def test_abort_mid_block_frees_memory(llm):
+    e = llm.engine
+    req = e.make_request(prompt_of(6), SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                      dllm={"algorithm": "low_confidence_static",
+                                                            "steps_per_block": 4}))
+    e.add_request(req)
+    for _ in range(3):
+        e.step()
+    assert req.block is not None and 0 < req.block.step < 4  # mid-block
+    assert e.kv_pool.num_used_pages > 0
+    e.abort(req.rid)
+    assert req.finish_reason is FinishReason.ABORT
+    e.check_memory()
+    assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
+
+
+def test_error_in_one_request_spares_the_others(llm):
+    """A forward that fails for one request's tokens finishes only that request (with an
+    error); the batch's other requests complete exactly as they would alone; no leak."""
+    e = llm.engine
+    poison = 7  # a token id only the bad request contains
+    good_prompts = [prompt_of(n, salt=3) for n in (5, 9)]
+    assert all(poison not in p for p in good_prompts)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].token_ids for p in good_prompts]
+
+    def fail_on_poison(module, args):
+        if (args[0] == poison).any():
+            raise RuntimeError("injected failure")
+
+    handle = e.model.register_forward_pre_hook(fail_on_poison)
+    try:
+        reqs = [e.make_request(p, params) for p in [good_prompts[0], [poison] * 6,
+                                                     good_prompts[1]]]
+        outs = e.run_to_completion(reqs)
+    finally:
+        handle.remove()
+    assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == alone
+    e.check_memory()
+    assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
+
+
+def test_many_requests_small_running_limit(sdar_dir):
+    llm = LLM(sdar_dir, max_running_requests=16, page_size=4, num_kv_pages=64)
+    prompts = [prompt_of(1 + i % 11, salt=i) for i in range(200)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert len(outs) == 200
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
+    llm.engine.check_memory()
+    assert llm.engine.kv_pool.num_free_pages == llm.engine.kv_pool.num_usable_pages
+
+
+def test_requests_wait_when_memory_is_short(sdar_dir):
+    """With room for one request's KV at a time, requests queue and all finish."""
+    llm = LLM(sdar_dir, max_running_requests=8, page_size=4, num_kv_pages=5)
+    outs = llm.generate([prompt_of(5, salt=i) for i in range(4)],
+                        SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8] * 4
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate(prompt_of(5), SamplingParams(max_new_tokens=40))
+
+
+def test_long_prompt_prefill_is_chunked_not_one_block_per_step(sdar_dir):
+    llm = LLM(sdar_dir, max_prefill_tokens=8, page_size=4)
+    e = llm.engine
+    req = e.make_request(prompt_of(21), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    e.add_request(req)
+    e.step()
+    assert req.prefilled_len == 8  # two blocks in the first prefill forward
+    while not req.finished:
+        e.step()
+    assert e.output_of(req).token_ids == llm.generate(
+        prompt_of(21), SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+
+
+def test_prefill_and_denoise_progress_in_the_same_step(llm):
+    e = llm.engine
+    a = e.make_request(prompt_of(9), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    e.add_request(a)
+    e.step()
+    e.step()
+    denoised = a.num_denoise_forwards
+    b = e.make_request(prompt_of(12), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    e.add_request(b)
+    e.step()
+    assert b.prefilled_len == 12 and a.num_denoise_forwards + a.num_commit_forwards > denoised
+    e.abort(a.rid)
+    e.abort(b.rid)
+    e.check_memory()
+
+
+def test_denoise_step_has_no_host_sync(llm, monkeypatch):
+    """The forward and the algorithm step read nothing back to the host; the one read per
+    step is the packed result, done by ``DenoisePost.read`` afterwards."""
+    from dllm.denoise import DenoisePost
+
+    e = llm.engine
+    reqs = [e.make_request(prompt_of(n), SamplingParams(
+        max_new_tokens=8, ignore_eos=True, temperature=0.5 * (n % 2), seed=n,
+        dllm={"algorithm": a, **ALGORITHMS[a]}))
+        for n, a in zip((3, 6, 9, 12, 5), sorted(ALGORITHMS), strict=True)]
+    for r in reqs:
+        e.add_request(r)
+    while any(r.req_pool_idx is None or r.needs_prefill for r in reqs):  # past prefill
+        e.step()
+    (work,) = e.scheduler.schedule()
+    batch = work.batch
+    assert batch.mode is ForwardMode.DLLM_EXTEND and batch.batch_size == len(reqs)
+    post = work.make_post(batch)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation inside the denoise step")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+            m.setattr(torch.Tensor, name, forbidden)
+        out = e.runner.forward(batch, post)
+    result = DenoisePost.read(out)
+    assert len(result.tokens) == len(reqs)
+    for r in reqs:
+        e.abort(r.rid)
+    e.check_memory()
+
+
+def test_num_forward_passes_and_token_ids(llm):
+    out = llm.generate(prompt_of(8), SamplingParams(
+        max_new_tokens=8, ignore_eos=True,
+        dllm={"algorithm": "low_confidence_static", "steps_per_block": 4}))[0]
+    # Prompt = 2 full blocks (one prefill forward); 2 blocks of 4 denoise steps; the first
+    # block needs a commit forward, the last ends the request and needs none.
+    assert out.num_forward_passes == 1 + 4 + 1 + 4
+    assert out.num_denoise_forwards == 8
+    assert len(out.token_ids) == 8

@@ -1,0 +1,524 @@
+"""The HTTP server as a real process (``python -m dllm.server``) on a free port of 127.0.0.1:
+the official ``openai`` client, streaming, the native ``/generate``, every error shape, auth,
+body limits, client disconnects (no leaked KV pages), metrics and 100 concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from dllm.testing import make_tiny_checkpoint
+
+API_KEY = "test-key-123"
+MAX_REQUEST_BYTES = 64 * 1024
+PROMPT = "Diffusion models write"
+CONTEXT = 16384
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model: str, log: Path, *extra: str) -> Server:
+    port = _free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dllm.server", "--model", model, "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", "warning",
+             "--max-request-bytes", str(MAX_REQUEST_BYTES), *extra],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def _wait_ready(server: Server, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.logs()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready after {timeout} s:\n{server.logs()}")
+
+
+def _stop(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def sdar_dir(tmp_path_factory) -> str:
+    """A tiny SDAR with a long context, so that a request can run long enough to be
+    interrupted (disconnect and abort tests) however fast the machine is."""
+    path = tmp_path_factory.mktemp("sdar-long") / "tiny-sdar"
+    return str(make_tiny_checkpoint("SDARForCausalLM", path, seed=0,
+                                    max_position_embeddings=CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def servers(sdar_dir, tmp_path_factory):
+    """Both servers start at once (their start-up overlaps); one without and one with a key."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    plain = _start(sdar_dir, logs / "plain.log", "--num-kv-pages", "2048")
+    keyed = _start(sdar_dir, logs / "keyed.log", "--api-key", API_KEY,
+                   "--served-model-name", "keyed-model", "--num-kv-pages", "256")
+    try:
+        _wait_ready(plain)
+        _wait_ready(keyed)
+        yield plain, keyed
+    finally:
+        _stop(plain)
+        _stop(keyed)
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def keyed(servers) -> Server:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sdar_dir):
+    return AutoTokenizer.from_pretrained(sdar_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def model_name(sdar_dir) -> str:
+    return os.path.basename(os.path.normpath(sdar_dir))
+
+
+def metrics_of(http: httpx.Client) -> dict[str, float]:
+    """Samples by name (labels folded into the name as name{k=v})."""
+    text = http.get("/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until the engine holds no request; return the last sample."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics_of(http)
+        if m["dllm:num_requests_running"] == 0 and m["dllm:num_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "any":
+        assert err["param"] == param, err
+    return err
+
+
+# ---- the openai client ----------------------------------------------------------------------
+def test_health_and_models(http, model_name, sdar_dir):
+    assert http.get("/health").json() == {"status": "ok"}
+    data = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [model_name]
+    assert data[0]["root"] == sdar_dir
+
+
+def test_completion_usage_and_text(client, http, tokenizer, model_name):
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=10,
+                                    temperature=0)
+    native = http.post("/generate", json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0}}).json()
+    assert out.object == "text_completion" and out.model == model_name
+    assert out.choices[0].text == native["text"]
+    assert out.choices[0].finish_reason == native["meta_info"]["finish_reason"]["type"]
+    assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPT, add_special_tokens=False))
+    assert out.usage.completion_tokens == len(native["output_ids"])
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_completion_list_prompt_and_token_ids(client, model_name, tokenizer):
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    out = client.completions.create(model=model_name, prompt=[PROMPT, "Other text"],
+                                    max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=model_name, prompt=ids, max_tokens=6,
+                                       temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert by_ids.choices[0].text == out.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_chat_usage(client, model_name, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(model=model_name, messages=messages,
+                                         max_completion_tokens=8, temperature=0)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    assert 1 <= out.usage.completion_tokens <= 8
+
+
+def test_stream_equals_non_stream(client, http, model_name):
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=14, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    native = http.post("/generate", json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 14, "temperature": 0}}).json()
+    assert len(text_chunks) == native["meta_info"]["num_blocks"]  # one per committed block
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_stream_equals_non_stream(client, model_name):
+    kw = dict(model=model_name, messages=[{"role": "user", "content": "Tell me a story"}],
+              max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert chunks[-1].usage is None
+
+
+def test_dllm_settings_per_request(client, model_name):
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0)
+    out = client.completions.create(**kw, extra_body={"dllm": {
+        "algorithm": "low_confidence_static", "steps_per_block": 2}})
+    assert out.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"dllm": {"no_such_key": 1}})
+    assert e.value.body["param"] == "dllm"
+
+
+# ---- native /generate -----------------------------------------------------------------------
+def test_generate_native(http, tokenizer):
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    sp = {"max_new_tokens": 9, "temperature": 0}
+    a = http.post("/generate", json={"text": PROMPT, "sampling_params": sp}).json()
+    b = http.post("/generate", json={"input_ids": ids, "sampling_params": sp, "rid": "mine"})
+    assert b.json()["output_ids"] == a["output_ids"] and b.json()["meta_info"]["id"] == "mine"
+    meta = a["meta_info"]
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == len(a["output_ids"])
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert set(meta["finish_reason"]) >= {"type", "matched"}
+    batch = http.post("/generate", json={"text": [PROMPT, PROMPT], "sampling_params": sp})
+    assert [r["text"] for r in batch.json()] == [a["text"], a["text"]]
+    with http.stream("POST", "/generate", json={"text": PROMPT, "sampling_params": sp,
+                                                 "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["text"] == a["text"] and events[-2]["output_ids"] == a["output_ids"]
+    assert events[-2]["meta_info"]["finish_reason"] == meta["finish_reason"]
+
+
+def test_generate_stop_string_matched(http):
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = http.post("/generate", json={"text": PROMPT, "sampling_params": sp}).json()
+    assert len(full["text"]) > 3
+    stop = full["text"][2:4]
+    out = http.post("/generate", json={"text": PROMPT,
+                                       "sampling_params": {**sp, "stop": [stop]}}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and full["text"].startswith(out["text"])
+
+
+# ---- errors ---------------------------------------------------------------------------------
+LONG = "x " * (CONTEXT + 100)  # more tokens than the context, less than the body limit
+ERRORS = [
+    # (route, body (dict: JSON, str/bytes: raw), status, param)
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 10}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("/v1/completions", [1, 2, 3], 400, None),
+    ("/v1/completions", '"a string"', 400, None),
+    ("/v1/completions", '{"prompt": "hi",', 400, None),
+    ("/v1/completions", b"\xff\xfe{}", 400, None),
+    ("/v1/completions", "", 400, None),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [
+        {"role": "user", "content": "hi"}]}, 404, "model"),
+    ("/generate", {"sampling_params": {}}, 400, "text"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, 400, "text"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, 400,
+     "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"dllm": {"threshold": "x"}}}, 400,
+     "dllm"),
+    ("/generate", {"text": ["a", "b"], "stream": True}, 400, "stream"),
+    ("/generate", {"input_ids": [True, 2]}, 400, "input_ids"),
+    ("/abort_request", {}, 400, "rid"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param", ERRORS,
+                         ids=[f"{i}-{e[0]}" for i, e in enumerate(ERRORS)])
+def test_error_shapes(http, route, body, status, param):
+    if isinstance(body, (dict, list)):
+        r = http.post(route, json=body)
+    else:
+        r = http.post(route, content=body, headers={"content-type": "application/json"})
+    err = assert_error(r, status, param)
+    assert len(err["message"]) < 600  # echoed input is clipped
+
+
+def test_error_echo_is_truncated(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "model": "m" * 5000})
+    assert_error(r, 404, "model")
+    assert len(r.json()["error"]["message"]) < 300
+    r = http.post("/v1/completions", json={"prompt": "hi", "stop": ["s" * 3000, 5]})
+    assert_error(r, 400, "stop")
+    assert len(r.json()["error"]["message"]) < 300
+
+
+def test_unknown_route_and_method(http):
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+def test_server_survives_bad_input(http, client, model_name):
+    for raw in [b"\x00" * 100, b"[" * 1000, b'{"prompt": {"a": 1}}', b"null", b"1e999"]:
+        assert http.post("/v1/completions", content=raw).status_code == 400
+    assert client.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
+
+
+def test_body_too_large(http):
+    big = {"prompt": "x" * (MAX_REQUEST_BYTES + 10), "max_tokens": 1}
+    assert_error(http.post("/v1/completions", json=big), 413)
+
+    def chunks():  # no Content-Length: the limit applies while the body streams in
+        for _ in range(MAX_REQUEST_BYTES // 1000 + 10):
+            yield b" " * 1000
+
+    assert_error(http.post("/v1/completions", content=chunks()), 413)
+    assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+# ---- auth -----------------------------------------------------------------------------------
+def test_auth(keyed, sdar_dir):
+    body = {"prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=keyed.url, timeout=60) as c:
+        assert_error(c.post("/v1/completions", json=body), 401)
+        assert_error(c.post("/v1/completions", json=body,
+                            headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(c.get("/v1/models"), 401)
+        assert_error(c.post("/generate", json={"text": "hi"}), 401)
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        ok = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200 and ok.json()["model"] == "keyed-model"
+    client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert client.completions.create(model="keyed-model", prompt="hi", max_tokens=2).choices
+    assert client.completions.create(model=sdar_dir, prompt="hi", max_tokens=2).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed.url + "/v1", api_key="bad", max_retries=0
+                      ).completions.create(model="keyed-model", prompt="hi", max_tokens=2)
+
+
+def test_no_auth_without_key(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                  headers={"Authorization": "Bearer anything"})
+    assert r.status_code == 200
+
+
+# ---- disconnects, abort, metrics ------------------------------------------------------------
+LONG_RUN = {"prompt": PROMPT, "max_tokens": CONTEXT - 100, "ignore_eos": True}
+
+
+def test_stream_disconnect_frees_kv(server, http):
+    before = wait_idle(http)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG_RUN, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # got the first block; now hang up
+    after = wait_idle(http)
+    assert after["dllm:kv_cache_used_pages"] == 0
+    assert after["dllm:kv_cache_usage_perc"] == 0
+    aborts = "dllm:requests_finished_total{finished_reason=abort}"
+    assert after[aborts] == before[aborts] + 1
+
+
+def test_non_stream_disconnect_aborts(server, http):
+    before = wait_idle(http)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=LONG_RUN, timeout=1.0)
+    after = wait_idle(http)
+    assert after["dllm:kv_cache_used_pages"] == 0
+    aborts = "dllm:requests_finished_total{finished_reason=abort}"
+    assert after[aborts] == before[aborts] + 1
+
+
+def test_abort_request(server, http):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG_RUN, "stream": True},
+                      headers={"X-Request-Id": "abort-me"}) as r:
+            lines = r.iter_lines()
+            first = next(json.loads(x[6:]) for x in lines if x.startswith("data: "))
+            assert first["id"] == "abort-me"
+            assert http.post("/abort_request", json={"rid": "abort-me"}).json() == {
+                "rid": "abort-me", "aborted": True}
+            events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert http.post("/abort_request", json={"rid": "abort-me"}).json()["aborted"] is False
+    assert wait_idle(http)["dllm:kv_cache_used_pages"] == 0
+
+
+def test_duplicate_request_id(server, http):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**LONG_RUN, "stream": True},
+                      headers={"X-Request-Id": "dup"}) as r:
+            next(x for x in r.iter_lines() if x.startswith("data: "))
+            again = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                              headers={"X-Request-Id": "dup"})
+            assert_error(again, 400)
+    wait_idle(http)
+
+
+def test_metrics_series(http, client, model_name):
+    client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8)
+    m = metrics_of(http)
+    for name in ["dllm:num_requests_running", "dllm:num_requests_waiting",
+                 "dllm:kv_cache_usage_perc", "dllm:kv_cache_used_pages",
+                 "dllm:kv_cache_total_pages", "dllm:prompt_tokens_total",
+                 "dllm:generation_tokens_total",
+                 "dllm:requests_finished_total{finished_reason=length}",
+                 "dllm:time_to_first_token_seconds_count",
+                 "dllm:e2e_request_latency_seconds_count",
+                 "dllm:denoise_forwards_per_block_count", "dllm:denoise_forwards_per_block_sum",
+                 "dllm:tokens_per_forward_count"]:
+        assert name in m, name
+    assert m["dllm:prompt_tokens_total"] > 0 and m["dllm:generation_tokens_total"] > 0
+    assert m["dllm:kv_cache_total_pages"] > 0
+    assert m["dllm:denoise_forwards_per_block_sum"] >= m["dllm:denoise_forwards_per_block_count"]
+
+
+# ---- load -----------------------------------------------------------------------------------
+def test_100_concurrent_streams(server, http):
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[str, str | None]:
+        body = {"prompt": f"{PROMPT} {i}", "max_tokens": 8, "stream": True,
+                "temperature": 0.7, "seed": i}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = sse_events([line async for line in r.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        return "".join(e["choices"][0]["text"] for e in events[:-1]), \
+            events[-2]["choices"][0]["finish_reason"]
+
+    async def run():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(100)))
+
+    results = asyncio.run(run())
+    assert len(results) == 100
+    assert all(reason in ("stop", "length") for _, reason in results)
+    assert wait_idle(http)["dllm:kv_cache_used_pages"] == 0
+
+
+def test_not_ready_is_503(sdar_dir):
+    """Before the engine is loaded (the app's lifespan never runs here) the API is 503."""
+    from dllm.server.app import build_app
+    from dllm.server.args import ServerConfig
+
+    from dllm.config import EngineConfig
+
+    app = build_app(ServerConfig(engine=EngineConfig(model=sdar_dir)))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as c:
+            return [await c.get("/health"), await c.get("/v1/models"),
+                    await c.post("/v1/completions", json={"prompt": "hi"}),
+                    await c.post("/generate", json={"text": "hi"})]
+
+    for r in asyncio.run(run()):
+        assert_error(r, 503)
