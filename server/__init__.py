@@ -1,0 +1,7 @@
+"""The HTTP server: OpenAI-compatible and SGLang-style routes over ``AsyncLLM``
+(``dllm serve --model DIR`` or ``python -m dllm.server --model DIR``).
+
+Modules: ``args`` (flags and ``ServerConfig``), ``protocol`` (request models and the error
+shape), ``serving`` (validation and running requests, shared with ``dllm generate``),
+``openai_api`` / ``native_api`` (the routes' logic), ``metrics``, ``middleware`` (auth, body
+limit), ``app`` (FastAPI), ``launch`` (uvicorn)."""
