@@ -10,6 +10,7 @@ import torch
 
 from dllm.algorithms import sample_tokens
 from dllm.algorithms.base import SamplingTensors
+from dllm.denoise import sampling_flags, sampling_rows
 from dllm.request import Req
 from dllm.runner.forward_batch import (
     AttentionMask,
@@ -21,30 +22,32 @@ from dllm.runner.forward_batch import (
 from dllm.scheduler import Scheduler, Work
 
 
-def sampling_rows(reqs: list[Req]) -> dict[str, list]:
-    """Per-row sampling settings for the static registry (shared with block diffusion)."""
-    return {
-        "temperature": [float(r.params.temperature) for r in reqs],
-        "top_k": [r.params.effective_top_k for r in reqs],
-        "top_p": [float(r.params.top_p) for r in reqs],
-        "seed": [int(r.params.seed or 0) for r in reqs],
-    }
-
-
 def sampling_tensors(fb: ForwardBatch, n: int) -> SamplingTensors:
     ex = fb.extras
     return SamplingTensors(temperature=ex["temperature"][:n], top_k=ex["top_k"][:n],
                            top_p=ex["top_p"][:n], seed=ex["seed"][:n])
 
 
-def sample_next(fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+class SampleNext:
     """``[bs]`` next tokens from each row's last-token logits, sampled at the position after
-    that token (the RNG counter), on the device."""
-    bs = len(fb.extend_lens_cpu)
-    last_pos = fb.positions[fb.last_token_index[:bs]]
-    out = sample_tokens(logits[:bs, None, :], sampling_tensors(fb, bs), (last_pos + 1)[:, None],
-                        torch.zeros_like(last_pos))
-    return out.x0[:, 0]
+    that token (the RNG counter), on the device. ``flags``: ``sampling_flags`` of the batch."""
+
+    def __init__(self, flags: tuple[bool, bool] = (True, True)):
+        self.flags = flags
+
+    @classmethod
+    def for_batch(cls, batch: ScheduledBatch) -> SampleNext:
+        return cls(sampling_flags(batch.row_inputs))
+
+    def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        bs = len(fb.extend_lens_cpu)
+        last_pos = fb.positions[fb.last_token_index[:bs]]
+        sampling = sampling_tensors(fb, bs)
+        sampling.may_sample, sampling.may_filter = self.flags
+        out = sample_tokens(logits[:bs, None, :], sampling, (last_pos + 1)[:, None],
+                            torch.zeros_like(last_pos))
+        return out.x0[:, 0]
 
 
 class AutoregressiveScheduler(Scheduler):
@@ -52,12 +55,12 @@ class AutoregressiveScheduler(Scheduler):
         works = []
         prefill = self.build_prefill()
         if prefill is not None:
-            works.append(Work(prefill, self.apply_tokens, lambda b: sample_next))
+            works.append(Work(prefill, self.apply_tokens, SampleNext.for_batch))
         ready = [r for r in self.running.values() if not r.needs_prefill and r.output_ids
                  and r.rid not in (prefill.rids if prefill else ())]
         decode = self.build_decode(ready)
         if decode is not None:
-            works.append(Work(decode, self.apply_tokens, lambda b: sample_next))
+            works.append(Work(decode, self.apply_tokens, SampleNext.for_batch))
         return works
 
     def build_prefill(self) -> ScheduledBatch | None:

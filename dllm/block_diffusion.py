@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm.denoise import DenoisePost
+from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
 from dllm.request import BlockState, Req
 from dllm.runner.forward_batch import AttentionMask, ForwardMode, LogitsMode, ScheduledBatch
 from dllm.scheduler import Scheduler, Work
@@ -82,16 +82,15 @@ class BlockDiffusionScheduler(Scheduler):
             step=[r.block.step for r in reqs],
             num_initial_masks=[r.block.num_initial_masks for r in reqs],
             is_commit=[int(r.block.resolved) for r in reqs],
-            temperature=[float(r.params.temperature) for r in reqs],
-            top_k=[r.params.effective_top_k for r in reqs],
-            top_p=[float(r.params.top_p) for r in reqs],
-            seed=[int(r.params.seed or 0) for r in reqs],
+            **sampling_rows(reqs),
+            **config_rows(reqs),
         )
+        batch.row_tensors.update(state_rows(reqs, self.req_pool.req_to_token.device))
         return batch
 
     def make_post(self, batch: ScheduledBatch) -> DenoisePost:
-        return DenoisePost([self.running[rid] for rid in batch.rids],
-                           self.config.mask_token_id, self.logits_shift)
+        return DenoisePost.for_reqs([self.running[rid] for rid in batch.rids],
+                                    self.config.mask_token_id, self.logits_shift)
 
     def apply_denoise(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         """Apply one step's result; returns the requests that committed a block or finished."""

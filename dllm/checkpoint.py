@@ -103,7 +103,8 @@ def load_model_info(engine: EngineConfig, tokenizer) -> ModelInfo:
     eos = set(_as_tuple(config.get("eos_token_id"))) | set(_as_tuple(gen.get("eos_token_id")))
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    model_ctx = int(config.get("max_position_embeddings") or 4096)
+    model_ctx = int(config.get("max_position_embeddings")
+                    or config.get("max_sequence_length") or 4096)
     context = min(engine.context_length or model_ctx, model_ctx)
     return ModelInfo(
         path=path, spec=spec, config=config, mask_token_id=mask_id,

@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--task", default="auto", choices=("auto", "generate", "embed"))
+    g.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
+    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -28,6 +28,11 @@ class EngineConfig:
         ``kv_cache_memory_gb`` (or enough for every admitted request at full context, if less).
     max_prefill_tokens: token budget of one prefill forward; longer prompts are chunked.
     context_length: longest prompt + output; defaults to the model's.
+    load_format: ``safetensors``, or ``dummy`` (random weights of the checkpoint's shapes, for
+        benchmarks).
+    disable_cuda_graph / cuda_graph_max_bs: CUDA graphs (GPU with FlashInfer) capture denoise
+        and decode steps for batch sizes up to ``cuda_graph_max_bs`` (default: the running cap,
+        at most 256).
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
     """
@@ -49,6 +54,9 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     task: str = "auto"
+    load_format: str = "safetensors"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -56,7 +64,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("block_size", "num_kv_pages", "context_length", "mask_token_id"):
+        for name in ("block_size", "num_kv_pages", "context_length", "mask_token_id",
+                     "cuda_graph_max_bs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0
                                   or (v == 0 and name != "mask_token_id")):
@@ -66,6 +75,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if not isinstance(self.algorithm_config, dict):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.algorithms import get_algorithm
-from dllm.algorithms.base import DenoiseInput, SamplingTensors
+from dllm.algorithms import ALGORITHMS, get_algorithm
+from dllm.algorithms.base import KEY_SPECS, DenoiseInput, SamplingTensors
 from dllm.request import Req
 from dllm.runner.forward_batch import ForwardBatch
 from dllm.runner.input_registry import InputRegistry
@@ -37,74 +37,141 @@ ROW_INPUTS = {  # name -> (dtype, pad)
 
 
 def denoise_inputs(registry: InputRegistry) -> None:
-    """Declare the post-step inputs in the runner's static registry."""
+    """Declare the post-step inputs in the runner's static registry: the row settings above,
+    every algorithm key (``cfg.<key>``) and every algorithm state (``state.<key>``), so a
+    captured graph reads them all from fixed buffers."""
     registry.register("editable", "tokens", torch.int64, 0)
     for name, (dtype, pad) in ROW_INPUTS.items():
         registry.register(name, "reqs", dtype, pad)
+    for key, spec in KEY_SPECS.items():
+        registry.register(f"cfg.{key}", "reqs", torch.float32 if spec.kind is float
+                          else torch.int64, 0)
+    for cls in ALGORITHMS.values():
+        for key in cls.state_keys:
+            registry.register(f"state.{key}", "reqs", torch.int64, 0)
+
+
+def sampling_rows(reqs: list[Req]) -> dict[str, list]:
+    """Per-row sampling settings (shared by every generation kind)."""
+    return {
+        "temperature": [float(r.params.temperature) for r in reqs],
+        "top_k": [r.params.effective_top_k for r in reqs],
+        "top_p": [float(r.params.top_p) for r in reqs],
+        "seed": [int(r.params.seed or 0) for r in reqs],
+    }
+
+
+def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool]:
+    """Host knowledge of a batch's sampling (``SamplingTensors.may_sample/may_filter``):
+    whether any row samples, and whether any sampled row filters by top-k / top-p. Rows that
+    need neither get identical results without the noise hashing or the vocabulary sort."""
+    rows = list(zip(row_inputs["temperature"], row_inputs["top_k"], row_inputs["top_p"],
+                    strict=True))
+    may_sample = any(t > 0 for t, _, _ in rows)
+    return may_sample, any(t > 0 and (k > 0 or p < 1) for t, k, p in rows)
+
+
+def config_rows(reqs: list[Req]) -> dict[str, list]:
+    """Each row's algorithm settings as numbers, one list per key any row uses (strings by
+    their index among the choices, as ``stack_configs`` does)."""
+    keys = sorted({k for r in reqs for k in r.algo_config})
+    out: dict[str, list] = {}
+    for key in keys:
+        spec = KEY_SPECS[key]
+        values = []
+        for r in reqs:
+            v = r.algo_config.get(key, 0)
+            values.append(spec.choices.index(v) if spec.kind is str and isinstance(v, str)
+                          else int(v) if spec.kind is bool else v)
+        out[f"cfg.{key}"] = values
+    return out
+
+
+def state_rows(reqs: list[Req], device: torch.device) -> dict[str, torch.Tensor]:
+    """Each row's algorithm state, stacked on the device (zeros at a block's start)."""
+    keys = sorted({k for r in reqs for k in get_algorithm(r.algorithm).state_keys})
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return {f"state.{k}": torch.stack([r.block.algo_state.get(k, zero) for r in reqs])
+            for k in keys}
 
 
 class DenoisePost:
-    """Built per batch on the host (which rows run which algorithm is host knowledge);
-    ``__call__`` runs on the device with no host synchronisation."""
+    """Runs on the device right after the forward, with no host synchronisation: every
+    per-row input comes from the runner's static registry (``fb.extras``). ``groups`` maps
+    an algorithm to its rows, known on the host; a CUDA graph captures one algorithm over
+    all rows of a padded batch."""
 
-    def __init__(self, reqs: list[Req], mask_token_id: int, logits_shift: int):
-        self.reqs = reqs
+    def __init__(self, groups: dict[str, list[int]], num_rows: int, mask_token_id: int,
+                 logits_shift: int, flags: tuple[bool, bool] = (True, True)):
+        self.groups = groups
+        self.flags = flags
+        self.num_rows = num_rows
         self.mask_token_id = mask_token_id
         self.logits_shift = logits_shift
+
+    @classmethod
+    def for_reqs(cls, reqs: list[Req], mask_token_id: int, logits_shift: int) -> DenoisePost:
         groups: dict[str, list[int]] = defaultdict(list)
         for i, r in enumerate(reqs):
             if not r.block.resolved:  # commit rows only write their KV
                 groups[r.algorithm].append(i)
-        self.groups = dict(groups)
+        return cls(dict(groups), len(reqs), mask_token_id, logits_shift,
+                   sampling_flags(sampling_rows(reqs)))
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
-                 logits: torch.Tensor | None) -> tuple[torch.Tensor, list[dict]]:
-        bs, b = len(self.reqs), fb.block_size
-        device = fb.input_ids.device
+                 logits: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        bs, b = self.num_rows, fb.block_size
         logits = logits[: bs * b].view(bs, b, -1)
         if self.logits_shift:
             # Token i is read from position i-1; position 0 of a block is never masked.
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        tokens = fb.input_ids[: bs * b].view(bs, b)
-        editable = fb.extras["editable"][: bs * b].view(bs, b).bool()
-        positions = fb.positions[: bs * b].view(bs, b)
-        ex = {k: fb.extras[k][:bs] for k in ROW_INPUTS}
-        out_tokens = tokens.clone()
-        done = torch.zeros(bs, dtype=torch.int64, device=device)
-        transferred = torch.zeros(bs, dtype=torch.int64, device=device)
-        states: list[dict] = [{} for _ in range(bs)]
+        ex = fb.extras
+        full = {
+            "tokens": fb.input_ids[: bs * b].view(bs, b),
+            "editable": ex["editable"][: bs * b].view(bs, b).bool(),
+            "positions": fb.positions[: bs * b].view(bs, b),
+            **{k: v[:bs] for k, v in ex.items() if k not in ("editable",)},
+        }
+        out_tokens = full["tokens"].clone()
+        done = torch.zeros(bs, dtype=torch.int64, device=logits.device)
+        transferred = torch.zeros_like(done)
+        states: dict[str, torch.Tensor] = {}
         for name, rows in self.groups.items():
             algo = get_algorithm(name)
-            idx = torch.tensor(rows, dtype=torch.int64, device=device)
-            group = [self.reqs[i] for i in rows]
+            # One algorithm for the whole batch (always so in a CUDA graph): no gather.
+            idx = None if len(rows) == bs else torch.tensor(rows, dtype=torch.int64,
+                                                            device=logits.device)
+
+            def take(t: torch.Tensor, idx: torch.Tensor | None = idx) -> torch.Tensor:
+                return t if idx is None else t.index_select(0, idx)
+
             x = DenoiseInput(
-                logits=logits.index_select(0, idx),
-                tokens=tokens.index_select(0, idx),
-                editable=editable.index_select(0, idx),
-                mask_id=self.mask_token_id,
-                step=ex["step"].index_select(0, idx),
-                num_initial_masks=ex["num_initial_masks"].index_select(0, idx),
-                positions=positions.index_select(0, idx),
-                sampling=SamplingTensors(
-                    temperature=ex["temperature"].index_select(0, idx),
-                    top_k=ex["top_k"].index_select(0, idx),
-                    top_p=ex["top_p"].index_select(0, idx),
-                    seed=ex["seed"].index_select(0, idx),
-                ),
-                config=algo.stack_configs([r.algo_config for r in group], device),
-                state=_stack_state(algo, group, device),
+                logits=take(logits), tokens=take(full["tokens"]),
+                editable=take(full["editable"]), mask_id=self.mask_token_id,
+                step=take(full["step"]), num_initial_masks=take(full["num_initial_masks"]),
+                positions=take(full["positions"]),
+                sampling=SamplingTensors(*(take(full[k]) for k in (
+                    "temperature", "top_k", "top_p", "seed")), *self.flags),
+                config={k: take(full[f"cfg.{k}"]).to(KEY_SPECS[k].dtype) for k in algo.defaults},
+                state={k: take(full[f"state.{k}"]) for k in algo.state_keys},
             )
             out = algo.step(x)
+            if idx is None:
+                out_tokens, done = out.tokens, out.done.to(torch.int64)
+                transferred = out.num_transferred.to(torch.int64)
+                states.update(out.state)
+                continue
             out_tokens.index_copy_(0, idx, out.tokens)
             done.index_copy_(0, idx, out.done.to(torch.int64))
             transferred.index_copy_(0, idx, out.num_transferred.to(torch.int64))
-            for j, i in enumerate(rows):
-                states[i] = {k: v[j] for k, v in out.state.items()}
+            for k, v in out.state.items():
+                states.setdefault(k, torch.zeros(bs, dtype=v.dtype, device=v.device))
+                states[k].index_copy_(0, idx, v)
         packed = torch.cat([out_tokens, done[:, None], transferred[:, None]], dim=1)
         return packed, states
 
     @staticmethod
-    def read(output: tuple[torch.Tensor, list[dict]]) -> DenoiseResult:
+    def read(output: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> DenoiseResult:
         """The one host read of a denoise step."""
         packed, states = output
         rows = packed.tolist()
@@ -112,17 +179,5 @@ class DenoisePost:
             tokens=[r[:-2] for r in rows],
             done=[bool(r[-2]) for r in rows],
             num_transferred=[r[-1] for r in rows],
-            state=states,
+            state=[{k: v[i] for k, v in states.items()} for i in range(len(rows))],
         )
-
-
-def _stack_state(algo, group: list[Req], device: torch.device) -> dict[str, torch.Tensor]:
-    state = {}
-    for key in algo.state_keys:
-        values = [r.block.algo_state.get(key) for r in group]
-        if all(v is None for v in values):
-            state[key] = torch.zeros(len(group), dtype=torch.int64, device=device)
-            continue
-        like = next(v for v in values if v is not None)
-        state[key] = torch.stack([v if v is not None else torch.zeros_like(like) for v in values])
-    return state

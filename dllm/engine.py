@@ -13,18 +13,18 @@ import torch
 from transformers import AutoTokenizer
 
 from dllm.algorithms import get_algorithm
-from dllm.autoregressive import AutoregressiveScheduler
+from dllm.autoregressive import AutoregressiveScheduler, SampleNext
 from dllm.block_diffusion import BlockDiffusionScheduler
 from dllm.checkpoint import ModelInfo, load_model_info, resolve_model_path
 from dllm.config import EngineConfig
-from dllm.denoise import denoise_inputs
+from dllm.denoise import DenoisePost, denoise_inputs
 from dllm.embedding import EmbeddingScheduler
 from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.models.loader import load_model
 from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.request import FinishReason, Req
-from dllm.runner.attention import make_backend
+from dllm.runner.attention import make_backend, resolve_backend_name
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch
 from dllm.runner.model_runner import ModelRunner
 from dllm.sampling_params import SamplingParams
@@ -52,7 +52,8 @@ class Engine:
             dataclasses.replace(cfg, model=path), self.tokenizer)
         self.task = self._resolve_task(path)
         torch.manual_seed(cfg.seed)
-        self.model, _, _ = load_model(path, dtype=self.dtype, device=self.device)
+        self.model, _, _ = load_model(path, dtype=self.dtype, device=self.device,
+                                      load_format=cfg.load_format, seed=cfg.seed)
         self.model.eval()
         diffusion = self.task == "generate" and self.info.spec.is_diffusion
         self.block_size = int(self.info.block_size) if diffusion else 1
@@ -68,11 +69,12 @@ class Engine:
         self.scheduler = self._make_scheduler(path)
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.req_pool.req_to_token,
-            make_backend(cfg.attention_backend, self.device), self.device,
+            make_backend(cfg.attention_backend, self.device, cfg.page_size), self.device,
             max_bs=cfg.max_running_requests,
             max_tokens=max(cfg.max_prefill_tokens, cfg.max_running_requests * self.block_size),
         )
         denoise_inputs(self.runner.registry)
+        self._init_cuda_graphs()
         self._rid_counter = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self.step_count = 0
@@ -124,6 +126,34 @@ class Engine:
                                      spec.head_dim, self.dtype, self.device)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", pages - 1, page,
                     self.kv_pool.memory_bytes() / 2**20)
+
+    def _init_cuda_graphs(self) -> None:
+        """Capture denoise (block diffusion) or decode (autoregressive) steps on CUDA with
+        FlashInfer; everything else, and every shape not captured, runs eagerly."""
+        cfg = self.config
+        kind = self.info.spec.kind
+        if (cfg.disable_cuda_graph or self.device.type != "cuda" or self.task != "generate"
+                or resolve_backend_name(cfg.attention_backend, self.device) != "flashinfer"
+                or not getattr(self.model, "supports_cuda_graph", True)
+                or kind not in ("block_diffusion", "causal_lm")):
+            return
+        from dllm.runner.cuda_graph import CudaGraphRunner
+
+        diffusion = kind == "block_diffusion"
+        mask_id, shift = self.mask_token_id, self.info.spec.logits_shift
+
+        def post_for(mode: ForwardMode, bs: int, group: str, flags: tuple[bool, bool]):
+            if mode is ForwardMode.DLLM_EXTEND:
+                return DenoisePost({group: list(range(bs))}, bs, mask_id, shift, flags)
+            return SampleNext(flags)
+
+        graphs = CudaGraphRunner(
+            self.runner, self.block_size,
+            min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests, 256),
+            self.req_pool.max_context, cfg.page_size, post_for,
+            modes=(ForwardMode.DLLM_EXTEND,) if diffusion else (ForwardMode.DECODE,))
+        graphs.capture_all([self.algorithm_name] if diffusion else [""])
+        self.runner.add_runner(graphs)
 
     def _default_kv_budget_gb(self) -> float:
         if self.device.type == "cuda":

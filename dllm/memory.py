@@ -12,13 +12,17 @@ class OutOfMemoryError(RuntimeError):
 
 class ReqToTokenPool:
     """Row ``r`` maps request slot ``r``'s token index ``t`` (its cache index, i.e. absolute
-    position) to a KV slot. Unused entries hold 0, the padding slot."""
+    position) to a KV slot. Unused entries hold 0, the padding slot. Row 0 is reserved for the
+    padding rows of CUDA-graph batches: it always points at the reserved page 0."""
+
+    PADDING_ROW = 0
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str = "cpu"):
         self.max_reqs = max_reqs
         self.max_context = max_context
-        self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
-        self._free: list[int] = list(range(max_reqs))
+        self.req_to_token = torch.zeros(max_reqs + 1, max_context, dtype=torch.int64,
+                                        device=device)
+        self._free: list[int] = list(range(max_reqs, 0, -1))
 
     @property
     def num_free(self) -> int:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
 from dllm.models.attention import Attention, KVCacheSpec
 from dllm.models.config import ModelConfig
 from dllm.models.layers import (
@@ -25,7 +27,6 @@ from dllm.models.layers import (
 )
 from dllm.models.moe import StackedExperts
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
-from torch import nn
 
 if TYPE_CHECKING:
     from dllm.runner.forward_batch import ForwardBatch

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dllm.models.config import ModelConfig
 from torch import nn
+
+from dllm.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

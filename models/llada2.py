@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from dllm.models.attention import Attention
 from dllm.models.config import ModelConfig
 from dllm.models.decoder import AttentionSpec, DecoderLM
@@ -31,7 +33,6 @@ from dllm.models.layers import (
 )
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
 from dllm.models.weights import STACK_EXPERTS, WeightRule
-from torch import nn
 
 if TYPE_CHECKING:
     from dllm.runner.forward_batch import ForwardBatch

@@ -12,12 +12,13 @@ probabilities before the top-k."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from dllm.models.config import ModelConfig
 from dllm.models.decoder import AttentionSpec, DecoderLM, SelfAttention
 from dllm.models.layers import RopeSpec, SwiGLUMLP, check_silu
 from dllm.models.moe import SoftmaxMoE
 from dllm.models.weights import STACK_EXPERTS, WeightRule
-from torch import nn
 
 
 class LLaDAMoEModelLM(DecoderLM):

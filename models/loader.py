@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
+
 from dllm.models.config import ModelConfig
 from dllm.models.registry import ArchitectureSpec, get_architecture
 from dllm.models.weights import WeightRule, WeightTarget, resolve_weight
-from safetensors import safe_open
-from torch import nn
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -196,16 +197,49 @@ def resolve_dtype(config: ModelConfig, dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPE_NAMES[name]
 
 
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
 def load_model(
-    path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+    load_format: str = "safetensors", seed: int = 0,
 ) -> tuple[nn.Module, ArchitectureSpec, ModelConfig]:
     """Build the model of the checkpoint at ``path`` (dispatch on ``architectures[0]``) and load
     its weights, cast to ``dtype`` (a torch dtype, its name, or ``"auto"`` for the config's
-    ``torch_dtype``), onto ``device``."""
+    ``torch_dtype``), onto ``device``. ``load_format="dummy"`` reads only ``config.json`` and
+    fills the weights with seeded random values on ``device`` (benchmarks of real shapes
+    without real weights, like vLLM's ``--load-format dummy``)."""
     path = Path(path)
     config = ModelConfig.from_file(path / "config.json")
     spec = get_architecture(config.architecture)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy":
+        with torch.device(device):
+            model = spec.model_cls(config)
+        init_dummy_weights(model, resolve_dtype(config, dtype), seed)
+        return model, spec, config
     with torch.device("meta"):
         model = spec.model_cls(config)
     load_weights(model, path, resolve_dtype(config, dtype), device)
     return model, spec, config
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, dtype: torch.dtype, seed: int = 0) -> None:
+    """Matrices ~ N(0, 0.02), norm weights 1, biases 0; float32-kept tensors stay float32."""
+    keep_fp32 = _fp32_names(model)
+    gen = None
+    for name, p in model.named_parameters():
+        if gen is None or gen.device != p.device:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        if p.dim() >= 2:
+            p.normal_(0.0, 0.02, generator=gen)
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.zero_()
+        if name not in keep_fp32:
+            p.data = p.data.to(dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from dllm.models.layers import SwiGLUMLP
 from torch import nn
+
+from dllm.models.layers import SwiGLUMLP
 
 
 class StackedExperts(nn.Module):

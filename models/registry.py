@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from torch import nn
+
 from dllm.models.dream import DreamModel
 from dllm.models.fast_dllm import Fast_dLLM_QwenForCausalLM
 from dllm.models.llada import LLaDAModelLM
@@ -16,7 +18,6 @@ from dllm.models.qwen2 import Qwen2ForCausalLM
 from dllm.models.qwen3 import Qwen3ForCausalLM
 from dllm.models.sdar import SDARForCausalLM
 from dllm.models.sdar_moe import SDARMoeForCausalLM
-from torch import nn
 
 ModelKind = Literal["block_diffusion", "full_diffusion", "causal_lm"]
 AttentionKind = Literal["block_causal", "full", "causal"]

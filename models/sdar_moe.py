@@ -7,13 +7,14 @@ is nonzero; sparse layers route with a float32 softmax over ``num_experts``, tak
 
 from __future__ import annotations
 
+from torch import nn
+
 from dllm.models.config import ModelConfig
 from dllm.models.decoder import DecoderLM, SelfAttention, hf_attention_spec
 from dllm.models.layers import SwiGLUMLP, check_silu
 from dllm.models.moe import SoftmaxMoE
 from dllm.models.qwen3 import reject_sliding_window
 from dllm.models.weights import STACK_EXPERTS
-from torch import nn
 
 
 def qwen3_moe_is_sparse(config: ModelConfig, layer: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from dllm.runner.forward_batch import ForwardBatch, ScheduledBatch
 
 

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 import torch
+
 from dllm.runner.attention.base import AttentionBackend, KVCache
 from dllm.runner.forward_batch import ForwardBatch, ForwardMode, LogitsMode, ScheduledBatch
 from dllm.runner.input_registry import InputRegistry
@@ -61,7 +62,7 @@ class ModelRunner:
 
     def run_model(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states ``[T, H]`` and the logits the batch asks for."""
-        self.backend.prepare(fb)
+        fb.attn_backend.prepare(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if fb.logits_mode is LogitsMode.NONE:
             return hidden, None
@@ -87,22 +88,12 @@ class EagerRunner(Runner):
         return fb
 
     def execute(self, forward_batch: ForwardBatch, post: PostStep | None) -> Any:
+        """Dispatch on the mode. ``DECODE``, ``EXTEND`` and ``DLLM_EXTEND`` share one path
+        (their differences live in the batch's mask, lengths and logits mode);
+        ``IDLE`` computes nothing and writes nothing to the KV pool — a data-parallel rank
+        would still join its peers' collectives there."""
         fb = forward_batch
         if fb.mode is ForwardMode.IDLE:
-            return self._idle(fb, post)
-        if fb.mode is ForwardMode.DECODE:
-            return self._decode(fb, post)
-        return self._extend(fb, post)
-
-    def _idle(self, fb: ForwardBatch, post: PostStep | None) -> Any:
-        # Nothing to compute and nothing written to the KV pool; a data-parallel rank would
-        # still join its peers' collectives here.
-        return None
-
-    def _decode(self, fb: ForwardBatch, post: PostStep | None) -> Any:
-        hidden, logits = self.owner.run_model(fb)
-        return post(fb, hidden, logits) if post is not None else logits
-
-    def _extend(self, fb: ForwardBatch, post: PostStep | None) -> Any:
+            return None
         hidden, logits = self.owner.run_model(fb)
         return post(fb, hidden, logits) if post is not None else (hidden, logits)

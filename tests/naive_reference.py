@@ -7,10 +7,10 @@ block layout, masks, caching, batching and stop rules here are written independe
 from __future__ import annotations
 
 import torch
-from dllm.runner.forward_batch import AttentionMask
 
 from dllm.algorithms import get_algorithm
 from dllm.algorithms.base import DenoiseInput, SamplingTensors
+from dllm.runner.forward_batch import AttentionMask
 from dllm.testing.harness import forward_full
 
 

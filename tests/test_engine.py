@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dllm.runner.forward_batch import ForwardMode
 
 from dllm import LLM, SamplingParams
 from dllm.request import FinishReason
+from dllm.runner.forward_batch import ForwardMode
 from tests.naive_reference import naive_block_diffusion
 
 B = 4  # SDAR's block size

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dllm.models.loader import load_model
-from dllm.models.registry import ARCHITECTURES
-from dllm.runner.forward_batch import AttentionMask
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from dllm.models.loader import load_model
+from dllm.models.registry import ARCHITECTURES
+from dllm.runner.forward_batch import AttentionMask
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.__main__ import main as cli_main
 from dllm.testing.harness import forward_full

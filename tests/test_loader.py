@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from dllm.models.attention import KVCacheSpec
 from dllm.models.config import ModelConfig
 from dllm.models.loader import WeightLoadError, load_model
 from dllm.models.registry import ARCHITECTURES
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
-from safetensors.torch import load_file, save_file
-
 from dllm.testing import make_tiny_checkpoint, supported_architectures
 from dllm.testing.harness import forward_full
 

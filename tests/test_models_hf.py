@@ -11,9 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dllm.models.loader import load_model
-from dllm.runner.attention.mask import visibility
-from dllm.runner.forward_batch import AttentionMask, ForwardMode
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
@@ -23,6 +20,9 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from dllm.models.loader import load_model
+from dllm.runner.attention.mask import visibility
+from dllm.runner.forward_batch import AttentionMask, ForwardMode
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.harness import CachedSequence, forward_full
 

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rope
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
 from dllm.models.config import ModelConfig
 from dllm.models.layers import RMSNorm, RopeSpec, RotaryEmbedding, SwiGLUMLP
 from dllm.models.moe import SoftmaxMoE, grouped_topk_ids, sigmoid_grouped_topk, softmax_topk
 from dllm.models.registry import ARCHITECTURES, get_architecture
 from dllm.models.weights import STACK_EXPERTS, WeightRule, WeightTarget, resolve_weight
-from transformers import Qwen3MoeConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rope
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 # ---------------------------------------------------------------------------------------------
 # ModelConfig

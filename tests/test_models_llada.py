@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
 from dllm.models.loader import load_model
 from dllm.models.moe import SoftmaxMoE
 from dllm.runner.forward_batch import AttentionMask, ForwardMode
-from safetensors.torch import load_file, save_file
-
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.harness import CachedSequence, forward_full
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+
 from dllm.models.llada2 import LLaDA2MoE
 from dllm.models.loader import load_model
 from dllm.runner.attention.mask import visibility
 from dllm.runner.forward_batch import AttentionMask, ForwardMode
-from safetensors.torch import load_file
-
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.harness import CachedSequence, forward_full
 

@@ -13,9 +13,10 @@ Rules, per row (request):
   the sorted prefix whose exclusive cumulative probability is ``<= p`` plus every logit tied
   with its last member, so ties never depend on sort order.
 * ``gumbel_fp64`` rows (LLaDA's sampler): the draw is LLaDA's
-  ``argmax(exp(logits) / (-log u) ** T)`` in float64 with a 52-bit ``u`` over the
-  un-scaled logits (restricted to the top-k/top-p set), and confidence is the plain
-  (un-tempered, unfiltered) softmax, as in LLaDA's low-confidence remasking.
+  ``argmax(exp(logits) / (-log u) ** T)`` over the un-scaled logits (restricted to the
+  top-k/top-p set) with a 52-bit ``u``, evaluated in float64 as its logarithm
+  ``logits - T * log(-log u)`` (same argmax, no overflow, cheaper), and confidence is the
+  plain (un-tempered, unfiltered) softmax, as in LLaDA's low-confidence remasking.
 
 Precision: softmax statistics are float32. The normaliser is ``max + log1p(sum of the
 other terms)``, so a confidence of ``1 - 1e-9`` keeps a distinct, ordered log-probability
@@ -154,8 +155,8 @@ def _llada_fp64(
     low = vocab_bits(counter_key(sampling.seed, step, positions, Stream.TOKEN_LOW), raw.shape[-1])
     u = unit_float64(bits, low)
     t = temperature.double()[:, None, None]
-    score = raw.double().exp() / (-torch.log(u)) ** t
-    score = torch.where(filtered > _NEG_INF, score, -1.0)
+    score = raw.double() - t * torch.log(-torch.log(u))
+    score = torch.where(filtered > _NEG_INF, score, _NEG_INF)
     x0 = torch.where(rows[:, None], score.argmax(dim=-1), x0)
     plain = raw.clone()
     if exclude_id is not None:

@@ -86,7 +86,8 @@ class CachedSequence:
             spec.head_dim, p.dtype, p.device,
         )
         pages = self.kv_pool.alloc_pages(self.kv_pool.pages_for(max_len))
-        self.req_pool.req_to_token[0, :max_len] = self.kv_pool.slots_for(pages, 0, max_len)
+        self.row = self.req_pool.alloc()
+        self.req_pool.req_to_token[self.row, :max_len] = self.kv_pool.slots_for(pages, 0, max_len)
         self.length = 0
 
     @torch.no_grad()
@@ -101,7 +102,7 @@ class CachedSequence:
         n = int(ids.shape[0])
         pos = torch.arange(self.length, self.length + n, device=device)
         fb = _batch(mode, ids, pos, self.length, mask, block_size, self.backend,
-                    self.req_pool, self.kv_pool)
+                    self.req_pool, self.kv_pool, self.row)
         self.backend.prepare(fb)
         logits = self.model.compute_logits(self.model(ids, pos, fb))
         if advance:

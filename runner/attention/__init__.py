@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
 from dllm.runner.attention.base import AttentionBackend
 from dllm.runner.attention.sdpa import SDPABackend
 
@@ -13,10 +14,15 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks FlashInfer on CUDA when it is installed, else SDPA."""
+def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"
+        return "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"
+    return name
+
+
+def make_backend(name: str, device: torch.device, page_size: int) -> AttentionBackend:
+    """``auto`` picks FlashInfer on CUDA when it is installed, else SDPA."""
+    name = resolve_backend_name(name, device)
     if name == "sdpa":
         return SDPABackend()
     if name == "flashinfer":
@@ -27,5 +33,5 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
                              "(pip install 'dllm[gpu]')")
         from dllm.runner.attention.flashinfer import FlashInferBackend
 
-        return FlashInferBackend()
+        return FlashInferBackend(device, page_size)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, sdpa or flashinfer")

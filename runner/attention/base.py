@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
+
 from dllm.models.attention import AttentionLayer
 from dllm.runner.forward_batch import ForwardBatch
 

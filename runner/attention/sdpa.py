@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from dllm.runner.attention.base import AttentionBackend, AttentionLayer
 from dllm.runner.attention.mask import visibility
 from dllm.runner.forward_batch import ForwardBatch, ForwardMode

@@ -1,0 +1,229 @@
+"""Offline speed on one GPU: per-step latency and output tokens/s of random-weight models of
+real shapes, next to the roofline of each case, measured in the same run.
+
+    python bench/offline.py --models sdar-8b,qwen3-8b --batch-sizes 1,8,32,128
+
+Block-diffusion models run ``low_confidence_static`` with one token per denoise step (a fixed
+schedule, so the figures do not depend on random-weight confidences); a step is one
+``DLLM_EXTEND`` forward of ``bs × block_size`` tokens with the unmasking step. Autoregressive
+models run ``DECODE`` steps. Weights are random (``load_format="dummy"``), built on the GPU.
+
+Floors: weight bytes read per step ÷ measured HBM bandwidth (a device-to-device copy), and
+FLOPs per step ÷ measured bf16 matmul rate (8192³). Writes ``bench/results/offline-*.md`` and
+``.json`` with the GPU name, driver, torch and flashinfer versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Real configs' shapes (config.json keys), the tokenizer comes from the factory.
+SHAPES = {
+    "sdar-4b": ("SDARForCausalLM", dict(hidden_size=2560, intermediate_size=9728,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=151936, tie_word_embeddings=True, block_size=4)),
+    "sdar-8b": ("SDARForCausalLM", dict(hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=151936, tie_word_embeddings=False, block_size=4)),
+    "qwen3-8b": ("Qwen3ForCausalLM", dict(hidden_size=4096, intermediate_size=12288,
+                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
+    "llada2-mini": ("LLaDA2MoeModelLM", dict(hidden_size=2048, intermediate_size=5120,
+                    moe_intermediate_size=512, num_hidden_layers=20, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=128, vocab_size=157184, num_experts=256,
+                    num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4,
+                    first_k_dense_replace=1, block_size=32)),
+}
+
+
+def measure_ceilings() -> dict[str, float]:
+    """HBM bandwidth (bytes read + written by a copy) and the bf16 matmul rate."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = _time(lambda: dst.copy_(src), 20)
+    lhs = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    rhs = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = _time(lambda: lhs @ rhs, 10)
+    torch.cuda.empty_cache()
+    return {"hbm_bytes_per_s": 2 * 2 * 2**30 / bw, "bf16_flops_per_s": 2 * 8192**3 / mm}
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def checkpoint_dir(name: str, root: Path) -> str:
+    from dllm.testing import make_tiny_checkpoint
+
+    arch, shape = SHAPES[name]
+    path = root / name
+    make_tiny_checkpoint(arch, path)  # tokenizer files; config.json rewritten below
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(shape, torch_dtype="bfloat16", max_position_embeddings=32768)
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "model.safetensors").unlink()
+    return str(path)
+
+
+def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict) -> tuple[float, float]:
+    """(weight bytes read, FLOPs) of one forward over ``tokens`` query tokens at context
+    ``ctx``. MoE: only the experts the tokens can reach are read."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    if "num_experts" in cfg:
+        e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+        expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+        moe_layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
+        touched = min(e, tokens * k)
+        total -= moe_layers * (e - touched) * expert * 2
+        params -= moe_layers * (e - k) * expert  # FLOPs use the k active experts per token
+    attn = 4 * tokens * ctx * cfg["num_attention_heads"] * cfg["head_dim"] * cfg[
+        "num_hidden_layers"]
+    return float(total), float(2 * params * tokens + attn)
+
+
+def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
+               steps: int, ceilings: dict) -> dict:
+    from dllm import LLM, SamplingParams
+
+    arch, shape = SHAPES[name]
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda",
+              attention_backend=backend, disable_cuda_graph=not graph,
+              max_running_requests=bs, cuda_graph_max_bs=bs, context_length=4096,
+              algorithm="low_confidence_static", page_size=16, kv_cache_memory_gb=20)
+    e = llm.engine
+    diffusion = e.mask_token_id is not None
+    b = e.block_size
+    per_req = steps * (b if diffusion else 1) + 2 * b
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=per_req, ignore_eos=True,
+                            dllm={"steps_per_block": b} if diffusion else {})
+    reqs = [e.make_request(torch.randint(100, 30000, (prompt_len,), generator=g).tolist(),
+                           params) for _ in range(bs)]
+    for r in reqs:
+        e.add_request(r)
+    while any(r.needs_prefill or r.req_pool_idx is None for r in reqs):
+        e.step()
+    for _ in range(3):  # warm-up steps
+        e.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 0
+    for _ in range(steps):
+        e.step()
+        n += 1
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / n
+    tokens = bs * (b if diffusion else 1)
+    byts, flops = step_costs(e.model, tokens, prompt_len + per_req // 2, shape)
+    # One token per denoise step, plus one commit forward per block: b tokens per b+1 steps.
+    out_tok = bs * (b / (b + 1) if diffusion else 1.0) / dt
+    floor_bw = byts / ceilings["hbm_bytes_per_s"]
+    floor_mm = flops / ceilings["bf16_flops_per_s"]
+    del llm, e
+    torch.cuda.empty_cache()
+    return dict(model=name, arch=arch, batch=bs, runner="cuda_graph" if graph else "eager",
+                backend=backend, step_ms=dt * 1e3, output_tok_s=out_tok,
+                weight_read_floor_ms=floor_bw * 1e3, matmul_floor_ms=floor_mm * 1e3,
+                x_weight_floor=dt / floor_bw, x_matmul_floor=dt / floor_mm,
+                tokens_per_step=tokens)
+
+
+def environment() -> dict:
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "python": platform.python_version()}
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        env["flashinfer"] = None
+    try:
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        env["driver"] = None
+    return env
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | batch | runner | attention | step ms | out tok/s | weight floor ms | "
+            "× weight floor | matmul floor ms | × matmul floor |\n|---|---|---|---|---|---|---|"
+            "---|---|---|\n")
+    return head + "".join(
+        f"| {r['model']} | {r['batch']} | {r['runner']} | {r['backend']} | {r['step_ms']:.2f} | "
+        f"{r['output_tok_s']:.0f} | {r['weight_read_floor_ms']:.2f} | {r['x_weight_floor']:.2f} "
+        f"| {r['matmul_floor_ms']:.2f} | {r['x_matmul_floor']:.2f} |\n" for r in rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="sdar-8b,qwen3-8b,sdar-4b,llada2-mini")
+    ap.add_argument("--batch-sizes", default="1,8,32,128")
+    ap.add_argument("--runners", default="cuda_graph,eager")
+    ap.add_argument("--backends", default="flashinfer")
+    ap.add_argument("--eager-batch-sizes", default=None,
+                    help="batch sizes for the eager runner (default: all)")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/offline.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    ceilings = measure_ceilings()
+    env = {**environment(), **ceilings}
+    print(json.dumps(env))
+    rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            path = checkpoint_dir(name, Path(tmp))
+            for backend in args.backends.split(","):
+                for runner in args.runners.split(","):
+                    sizes = args.batch_sizes if runner == "cuda_graph" or not \
+                        args.eager_batch_sizes else args.eager_batch_sizes
+                    for bs in map(int, sizes.split(",")):
+                        if runner == "cuda_graph" and (backend != "flashinfer"
+                                                       or name == "llada2-mini"):
+                            continue  # graphs need FlashInfer; MoE routing is eager
+                        try:
+                            row = bench_case(name, path, bs, runner == "cuda_graph", backend,
+                                             args.prompt_len, args.steps, ceilings)
+                        except Exception as exc:  # noqa: BLE001 - report and go on
+                            print(f"{name} bs={bs} {runner} {backend}: {exc!r}", flush=True)
+                            continue
+                        rows.append(row)
+                        print(table([row]).splitlines()[-1], flush=True)
+                        _write(out, stamp, env, rows)
+    print(table(rows))
+    return 0
+
+
+def _write(out: Path, stamp: str, env: dict, rows: list[dict]) -> None:
+    (out / f"offline-{stamp}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    (out / f"offline-{stamp}.md").write_text(
+        f"# Offline benchmark {stamp}\n\n{json.dumps(env)}\n\n{table(rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

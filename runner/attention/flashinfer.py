@@ -1,0 +1,141 @@
+"""FlashInfer attention over the paged KV cache (DESIGN §8). GPU only; imported lazily.
+
+One plan per forward, reused by every layer:
+- ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
+  prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``;
+- ``EXTEND`` with ``CAUSAL``: paged prefill with ``causal=True`` (queries are the last
+  ``extend_len`` keys of their sequence);
+- ``EXTEND`` with ``FULL``: ``causal=False`` (also the dual cache, whose keys run past the
+  queries);
+- ``EXTEND`` with ``BLOCK_CAUSAL`` over several prompt blocks: a custom mask, built on the
+  device from cache indices;
+- ``DECODE``: the batch-decode kernel.
+
+The page table comes from ``req_to_token`` on the device (slot ``s`` lies in page
+``s // page_size``); only the ``indptr`` arrays, which the scheduler's host lists give, are
+built on the host, so planning reads nothing back from the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flashinfer
+import torch
+
+from dllm.runner.attention.base import AttentionBackend, AttentionLayer
+from dllm.runner.attention.mask import visibility
+from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
+
+WORKSPACE_BYTES = 256 * 2**20
+
+
+@dataclass
+class PageTable:
+    qo_indptr: torch.Tensor  # [bs+1] int32, host
+    kv_indptr: torch.Tensor  # [bs+1] int32, host
+    kv_indices: torch.Tensor  # [num_pages] int32, device
+    kv_last_page_len: torch.Tensor  # [bs] int32, host
+
+
+def build_page_table(fb: ForwardBatch, page_size: int) -> PageTable:
+    device = fb.input_ids.device
+    ext, seq = fb.extend_lens_cpu, fb.seq_lens_cpu
+    pages = [-(-s // page_size) for s in seq]
+    qo = torch.zeros(len(ext) + 1, dtype=torch.int32)
+    qo[1:] = torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0)
+    kv = torch.zeros(len(seq) + 1, dtype=torch.int32)
+    kv[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+    # Row i, page j -> the slot of token j*page_size of row i -> its page.
+    rows = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor(pages))
+    cols = torch.cat([torch.arange(n) * page_size for n in pages]) if pages else rows
+    req_rows = fb.req_pool_indices[rows.to(device)]
+    indices = (fb.req_to_token[req_rows, cols.to(device)] // page_size).to(torch.int32)
+    last = torch.tensor([s - (n - 1) * page_size for s, n in zip(seq, pages, strict=True)],
+                        dtype=torch.int32)
+    return PageTable(qo, kv, indices, last)
+
+
+def block_causal_mask(fb: ForwardBatch) -> torch.Tensor:
+    """Flattened ``sum(q_len * kv_len)`` bool mask, row-major per request."""
+    device = fb.input_ids.device
+    parts = []
+    for p, n, s in zip(fb.prefix_lens_cpu, fb.extend_lens_cpu, fb.seq_lens_cpu, strict=True):
+        parts.append(visibility(AttentionMask.BLOCK_CAUSAL, torch.arange(p, p + n, device=device),
+                                torch.arange(s, device=device), fb.block_size,
+                                fb.block_offset).flatten())
+    return torch.cat(parts)
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device, page_size: int,
+                 workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
+                 max_bs: int | None = None, max_pages: int | None = None):
+        self.device = device
+        self.page_size = page_size
+        self.workspace = workspace if workspace is not None else torch.empty(
+            WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        pkw: dict = {}
+        dkw: dict = {}
+        if use_cuda_graph:
+            # Fixed buffers (one backend per captured batch size): a captured graph reads
+            # the plan from the same addresses at every replay.
+            i32 = dict(dtype=torch.int32, device=device)
+            kv_indptr = torch.zeros(max_bs + 1, **i32)
+            kv_indices = torch.zeros(max_pages, **i32)
+            last = torch.zeros(max_bs, **i32)
+            pkw = dict(use_cuda_graph=True, qo_indptr_buf=torch.zeros(max_bs + 1, **i32),
+                       paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
+                       paged_kv_last_page_len_buf=last)
+            dkw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
+                       paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **pkw)
+        # Tensor cores pay off for grouped-query attention, the common layout.
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True, **dkw)
+        self._planned: tuple[int, str] | None = None
+
+    def prepare(self, forward_batch: ForwardBatch) -> None:
+        # Planning needs the head counts, known at the first layer: plan lazily there,
+        # unless the caller planned already (a CUDA graph is captured or replayed after
+        # ``plan`` ran outside it).
+        if forward_batch.attn_metadata is None:
+            self._planned = None
+
+    def plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> None:
+        """Plan now (outside a graph capture) and mark the batch as planned."""
+        self._planned = (id(fb), self._plan(fb, layer, dtype))
+        fb.attn_metadata = "planned"
+
+    def _plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> str:
+        table = build_page_table(fb, self.page_size)
+        common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
+                      q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
+        if fb.mode is ForwardMode.DECODE:
+            self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
+                             num_qo_heads=layer.num_heads, head_dim=layer.head_dim, **common)
+            return "decode"
+        mask = None
+        causal = fb.attention_mask is AttentionMask.CAUSAL
+        if fb.attention_mask is AttentionMask.BLOCK_CAUSAL and fb.mode is not ForwardMode.DLLM_EXTEND:
+            mask = block_causal_mask(fb)
+        self.prefill.plan(table.qo_indptr, table.kv_indptr, table.kv_indices,
+                          table.kv_last_page_len, num_qo_heads=layer.num_heads,
+                          head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
+        return "prefill"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        fb = forward_batch
+        if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
+            return q.new_empty(q.shape)
+        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        if self._planned is None:
+            self._planned = (id(fb), self._plan(fb, layer, q.dtype))
+        k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
+        shape = (-1, self.page_size, layer.num_kv_heads, layer.head_dim)
+        cache = (k_buf.view(shape), v_buf.view(shape))
+        wrapper = self.decode if self._planned[1] == "decode" else self.prefill
+        return wrapper.run(q.contiguous(), cache)

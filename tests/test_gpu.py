@@ -1,0 +1,122 @@
+"""GPU tests (marker ``gpu``; skipped without CUDA): FlashInfer equals SDPA for every mode,
+and CUDA-graph engine output equals eager output token for token."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dllm import LLM, SamplingParams
+from dllm.memory import ReqToTokenPool, TokenToKVPool
+from dllm.models.attention import AttentionLayer
+from dllm.runner.attention.sdpa import SDPABackend
+from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+from dllm.testing import make_tiny_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                       reason="needs flashinfer (the 'gpu' extra)"),
+]
+
+H, HKV, D, P = 8, 2, 128, 16
+LAYER = AttentionLayer(0, H, HKV, D, D**-0.5)
+
+
+def batch(mode, prefix, ext, seq, mask, block_size, req_pool, kv_pool, backend):
+    dev = torch.device("cuda")
+    rows = list(range(1, len(prefix) + 1))
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    pos = [p + i for p, n in zip(prefix, ext, strict=True) for i in range(n)]
+    tok_rows = [r for r, n in zip(rows, ext, strict=True) for _ in range(n)]
+    loc = req_pool.req_to_token[t(tok_rows), t(pos)]
+    return ForwardBatch(
+        mode=mode, batch_size=len(rows), input_ids=t([0] * len(pos)), positions=t(pos),
+        req_pool_indices=t(rows), prefix_lens=t(prefix), extend_lens=t(ext), seq_lens=t(seq),
+        out_cache_loc=loc, prefix_lens_cpu=prefix, extend_lens_cpu=ext, seq_lens_cpu=seq,
+        attention_mask=mask, block_size=block_size, logits_mode=LogitsMode.ALL,
+        req_to_token=req_pool.req_to_token, kv_pool=kv_pool, attn_backend=backend)
+
+
+CASES = {  # mode, prefix lens, extend lens, seq lens, mask, block size
+    "dllm_extend": (ForwardMode.DLLM_EXTEND, [32, 0, 96], [32, 32, 32], [64, 32, 128],
+                    AttentionMask.BLOCK_CAUSAL, 32),
+    "extend_causal": (ForwardMode.EXTEND, [0, 17, 40], [23, 5, 64], [23, 22, 104],
+                      AttentionMask.CAUSAL, 1),
+    "extend_block_causal": (ForwardMode.EXTEND, [0, 8, 32], [24, 16, 8], [24, 24, 40],
+                            AttentionMask.BLOCK_CAUSAL, 8),
+    "extend_full": (ForwardMode.EXTEND, [0, 0], [37, 64], [37, 64], AttentionMask.FULL, 1),
+    "dual_cache": (ForwardMode.EXTEND, [16, 32], [8, 8], [64, 48], AttentionMask.FULL, 1),
+    "decode": (ForwardMode.DECODE, [10, 63, 200], [1, 1, 1], [11, 64, 201],
+               AttentionMask.CAUSAL, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flashinfer_equals_sdpa(case):
+    from dllm.runner.attention.flashinfer import FlashInferBackend
+
+    mode, prefix, ext, seq, mask, bsz = CASES[case]
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    req_pool = ReqToTokenPool(4, 256, dev)
+    kv_pool = TokenToKVPool(64, P, 1, HKV, D, torch.bfloat16, dev)
+    for r in range(1, 4):  # scattered pages, as after churn
+        pages = kv_pool.alloc_pages(16)[::-1]
+        req_pool.req_to_token[r] = kv_pool.slots_for(pages, 0, 256).to(dev)
+    # Cached keys of every row (the prefix and, for the dual cache, the suffix).
+    for b in range(1, 4):
+        slots = req_pool.req_to_token[b]
+        kv_pool.set_kv(0, slots, torch.randn(256, HKV, D, device=dev),
+                       torch.randn(256, HKV, D, device=dev))
+    n = sum(ext)
+    q = torch.randn(n, H, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
+    outs = []
+    for backend in (SDPABackend(), FlashInferBackend(dev, P)):
+        fb = batch(mode, prefix, ext, seq, mask, bsz, req_pool, kv_pool, backend)
+        backend.prepare(fb)
+        outs.append(backend.forward(q, k, v, LAYER, fb).float())
+    assert (outs[0] - outs[1]).abs().max().item() < 2e-2
+
+
+@pytest.fixture(scope="module")
+def sdar_gpu(tmp_path_factory):
+    return str(make_tiny_checkpoint("SDARForCausalLM", tmp_path_factory.mktemp("sdar"), seed=0,
+                                    hidden_size=256, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=128))
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 200, (1 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("algorithm", ["low_confidence_static", "threshold"])
+def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm):
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=16, algorithm=algorithm,
+              algorithm_config={"threshold": 0.5} if algorithm == "threshold" else {})
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7 * (i % 2),
+                             seed=i) for i in range(11)]
+    graph = LLM(sdar_gpu, **kw)
+    assert len(graph.engine.runner.runners) == 2  # the graph runner is in front
+    eager = LLM(sdar_gpu, disable_cuda_graph=True, **kw)
+    got = [o.token_ids for o in graph.generate(prompts(11), params)]
+    want = [o.token_ids for o in eager.generate(prompts(11), params)]
+    assert got == want
+    graph.engine.check_memory()
+
+
+def test_cuda_graph_equals_eager_decode(tmp_path):
+    path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=0, hidden_size=256,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=128))
+    kw = dict(device="cuda", dtype="bfloat16", max_running_requests=8)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    got = [o.token_ids for o in LLM(path, **kw).generate(prompts(7), params)]
+    want = [o.token_ids for o in LLM(path, disable_cuda_graph=True, **kw).generate(
+        prompts(7), params)]
+    assert got == want
