@@ -120,6 +120,9 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
         e.add_request(r)
     while any(r.needs_prefill or r.req_pool_idx is None for r in reqs):
         e.step()
+        failed = [r.error for r in reqs if r.finished]
+        if failed:
+            raise RuntimeError(f"a request ended during prefill: {failed[0]}")
     for _ in range(3):  # warm-up steps
         e.step()
     torch.cuda.synchronize()

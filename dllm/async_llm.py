@@ -40,6 +40,10 @@ class AsyncLLM:
         self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        # The engine lock guards the engine (held for a whole step); ``_cv`` guards only the
+        # inbox, so handing a request over never waits for a step to end.
+        self._engine_lock = threading.Lock()
+        self._busy = False  # the engine had work after its last step (engine thread only)
         self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
         self._thread.start()
 
@@ -47,7 +51,7 @@ class AsyncLLM:
     def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
                      rid: str | None = None) -> Req:
         """Validate on the caller's side, so bad input is a ``ValueError`` here."""
-        with self._cv:  # the engine thread also reads the tokenizer and the rid counter
+        with self._engine_lock:  # the engine thread also uses the tokenizer and rid counter
             return self.engine.make_request(prompt, params, rid)
 
     async def generate_stream(self, prompt: Prompt | Req,
@@ -91,7 +95,7 @@ class AsyncLLM:
 
     def call_in_engine(self, fn) -> Any:
         """Run ``fn(engine)`` between engine steps (for stats, memory checks)."""
-        with self._cv:
+        with self._engine_lock:
             return fn(self.engine)
 
     @property
@@ -107,11 +111,12 @@ class AsyncLLM:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self._inbox and not self.engine.has_work:
+                while not self._stopped and not self._inbox and not self._busy:
                     self._cv.wait()
                 if self._stopped:
                     break
                 inbox, self._inbox = self._inbox, []
+            with self._engine_lock:
                 for kind, item in inbox:
                     self._handle(kind, item)
                 try:
@@ -119,6 +124,7 @@ class AsyncLLM:
                 except Exception as exc:  # noqa: BLE001 - the loop must survive
                     logger.exception("engine step failed")
                     changed = self._fail_all(exc)
+                self._busy = self.engine.has_work
             for req in changed:
                 self._emit(req)
         for stream in list(self._streams.values()):

@@ -5,15 +5,29 @@ admitted requests (chunked by a token budget, block-causal), and one ``DLLM_EXTE
 current block of every request past its prefill (denoise rows and commit rows side by side).
 A request whose block resolves leaves the denoise rows at once; the next step it runs the
 commit forward, then starts its next block. Memory for a request's whole reserved length is
-taken at admission, so a running request never waits for memory and never fails for it."""
+taken at admission, so a running request never waits for memory and never fails for it.
+
+Shifted logits (Fast-dLLM v2): the logits at a block's last position predict the next block's
+first token. The commit forward reads it (greedily, as the reference's commit pass does, at any
+temperature) and it joins the output at once; a prompt that ends on a block boundary gets it
+from its prefill's last-token logits. It sits at position 0 of the next block, fixed (never
+masked or edited, as in the reference)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
 from dllm.request import BlockState, Req
-from dllm.runner.forward_batch import AttentionMask, ForwardMode, LogitsMode, ScheduledBatch
+from dllm.runner.forward_batch import (
+    AttentionMask,
+    ForwardBatch,
+    ForwardMode,
+    LogitsMode,
+    ScheduledBatch,
+)
 from dllm.scheduler import Scheduler, Work
 
 
@@ -24,7 +38,9 @@ class BlockDiffusionScheduler(Scheduler):
         works = []
         prefill = self.build_prefill()
         if prefill is not None:
-            works.append(Work(prefill, self.apply_prefill))
+            first_token = prefill.logits_mode is LogitsMode.LAST
+            works.append(Work(prefill, self.apply_prefill,
+                              (lambda b: _greedy_last) if first_token else None))
         denoise = self.build_denoise([r for r in self.running.values() if not r.needs_prefill])
         if denoise is not None:
             works.append(Work(denoise, self.apply_denoise, self.make_post))
@@ -36,19 +52,28 @@ class BlockDiffusionScheduler(Scheduler):
         rows = self.chunk_prefill(lambda r: r.prefill_target, self.config.block_size)
         if not rows:
             return None
+        # Shifted logits: a prompt that ends on a block boundary reads its first token here.
+        first_token = self.logits_shift and any(end == r.prompt_len for r, _, end in rows)
         batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
-                               block_size=self.config.block_size, logits_mode=LogitsMode.NONE)
+                               block_size=self.config.block_size,
+                               logits_mode=LogitsMode.LAST if first_token else LogitsMode.NONE)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
         return batch
 
     def apply_prefill(self, batch: ScheduledBatch, output: Any) -> list[Req]:
-        for rid, n in zip(batch.rids, batch.extend_lens, strict=True):
+        first = output.tolist() if batch.logits_mode is LogitsMode.LAST else None
+        changed = []
+        for i, (rid, n) in enumerate(zip(batch.rids, batch.extend_lens, strict=True)):
             req = self.running.get(rid)
-            if req is not None:
-                req.prefilled_len += n
-                req.num_forward_passes += 1
-        return []
+            if req is None:
+                continue
+            req.prefilled_len += n
+            req.num_forward_passes += 1
+            if first is not None and req.prefilled_len == req.prompt_len:
+                self.commit_tokens(req, [first[i]])
+                changed.append(req)
+        return changed
 
     # ---- denoise -----------------------------------------------------------------------
     def _start_block(self, req: Req) -> None:
@@ -105,6 +130,9 @@ class BlockDiffusionScheduler(Scheduler):
             if blk.resolved:  # this was the commit forward: its KV now counts
                 req.num_commit_forwards += 1
                 req.block = None
+                if self.logits_shift:
+                    self.commit_tokens(req, [result.next_token[r]])
+                    changed.append(req)
                 continue
             req.num_denoise_forwards += 1
             blk.step += 1
@@ -125,3 +153,8 @@ class BlockDiffusionScheduler(Scheduler):
         if not self.commit_tokens(req, [t for t, e in zip(blk.tokens, blk.editable,
                                                           strict=True) if e]):
             blk.resolved = True
+
+
+def _greedy_last(fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``[bs]`` argmax of each row's last-token logits (``LogitsMode.LAST``)."""
+    return logits.argmax(dim=-1)

@@ -82,11 +82,41 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from dllm.chat_cmd import run_chat
+
+    return run_chat(args)
+
+
+def _add_chat(p: argparse.ArgumentParser) -> None:
+    from dllm.chat_cmd import add_chat_args
+
+    add_engine_args(p)
+    add_chat_args(p)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from dllm.evaluate import run_eval
+
+    return run_eval(args)
+
+
+def _add_eval(p: argparse.ArgumentParser) -> None:
+    from dllm.evaluate import add_eval_args
+
+    add_engine_args(p)
+    add_eval_args(p)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {
     "generate": ("generate completions for a prompt or a JSONL file", _add_generate,
                  _cmd_generate),
     "serve": ("serve a model over HTTP (OpenAI-compatible API)", _add_serve, _cmd_serve),
+    "chat": ("chat with a model (the built-in one by default): one message, or interactive",
+             _add_chat, _cmd_chat),
+    "eval": ("exact-match accuracy and parallelism on the built-in task families", _add_eval,
+             _cmd_eval),
 }
 
 

@@ -23,6 +23,9 @@ class DenoiseResult:
     done: list[bool]
     num_transferred: list[int]
     state: list[dict]  # per row: algorithm state, name -> 0-d device tensor
+    # Shifted-logits models (Fast-dLLM v2): the greedy token read at the block's last
+    # position, the next block's first token on a commit row; -1 otherwise.
+    next_token: list[int]
 
 
 ROW_INPUTS = {  # name -> (dtype, pad)
@@ -122,6 +125,10 @@ class DenoisePost:
                  logits: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         bs, b = self.num_rows, fb.block_size
         logits = logits[: bs * b].view(bs, b, -1)
+        # Fast-dLLM v2's commit pass takes the next block's first token greedily from the
+        # block's last position (its reference does so at any temperature).
+        next_token = (logits[:, -1].argmax(dim=-1) if self.logits_shift else
+                      torch.full((bs,), -1, dtype=torch.int64, device=logits.device))
         if self.logits_shift:
             # Token i is read from position i-1; position 0 of a block is never masked.
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -167,7 +174,8 @@ class DenoisePost:
             for k, v in out.state.items():
                 states.setdefault(k, torch.zeros(bs, dtype=v.dtype, device=v.device))
                 states[k].index_copy_(0, idx, v)
-        packed = torch.cat([out_tokens, done[:, None], transferred[:, None]], dim=1)
+        packed = torch.cat([out_tokens, done[:, None], transferred[:, None],
+                            next_token[:, None]], dim=1)
         return packed, states
 
     @staticmethod
@@ -176,8 +184,9 @@ class DenoisePost:
         packed, states = output
         rows = packed.tolist()
         return DenoiseResult(
-            tokens=[r[:-2] for r in rows],
-            done=[bool(r[-2]) for r in rows],
-            num_transferred=[r[-1] for r in rows],
+            tokens=[r[:-3] for r in rows],
+            done=[bool(r[-3]) for r in rows],
+            num_transferred=[r[-2] for r in rows],
             state=[{k: v[i] for k, v in states.items()} for i in range(len(rows))],
+            next_token=[r[-1] for r in rows],
         )

@@ -19,6 +19,12 @@ from dllm.checkpoint import ModelInfo, load_model_info, resolve_model_path
 from dllm.config import EngineConfig
 from dllm.denoise import DenoisePost, denoise_inputs
 from dllm.embedding import EmbeddingScheduler
+from dllm.full_diffusion import (
+    DEFAULT_BLOCK_SIZE,
+    FullDiffusionScheduler,
+    full_diffusion_inputs,
+    resolve_request,
+)
 from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.models.loader import load_model
 from dllm.models.pooling import PoolingConfig
@@ -27,7 +33,7 @@ from dllm.request import FinishReason, Req
 from dllm.runner.attention import make_backend, resolve_backend_name
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch
 from dllm.runner.model_runner import ModelRunner
-from dllm.sampling_params import SamplingParams
+from dllm.sampling_params import SamplingParams, check_engine_keys
 from dllm.scheduler import Scheduler, SchedulerConfig, Work
 from dllm.stop import StopChecker
 
@@ -35,6 +41,15 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | list[dict[str, Any]]
 DEFAULT_ALGORITHM = "low_confidence_dynamic"
+# Each family's reference decoder, when neither the engine nor generation_config.json names one.
+FAMILY_ALGORITHMS = {
+    "LLaDAModelLM": "low_confidence_static", "LLaDAMoEModelLM": "low_confidence_static",
+    "DreamModel": "entropy", "Fast_dLLM_QwenForCausalLM": "hierarchical",
+}
+# LLaDA samples with float64 Gumbel noise (``low_confidence_static``'s ``gumbel_fp64``).
+FAMILY_ALGORITHM_CONFIG: dict[str, dict[str, Any]] = {
+    "LLaDAModelLM": {"gumbel_fp64": True}, "LLaDAMoEModelLM": {"gumbel_fp64": True},
+}
 
 
 class Engine:
@@ -56,12 +71,24 @@ class Engine:
                                       load_format=cfg.load_format, seed=cfg.seed)
         self.model.eval()
         diffusion = self.task == "generate" and self.info.spec.is_diffusion
-        self.block_size = int(self.info.block_size) if diffusion else 1
+        spec = self.info.spec
+        full = self.full_attention = diffusion and spec.kind == "full_diffusion"
+        # Full-attention requests have their own block size (``canvas_block_size`` by
+        # default, None = the whole canvas) and reserve their canvas exactly: the engine's
+        # granularity for them is one token.
+        self.block_size = int(self.info.block_size) if diffusion and not full else 1
+        self.canvas_block_size = (self.info.block_size or DEFAULT_BLOCK_SIZE.get(spec.name)
+                                  if full else None)
         self.mask_token_id = self.info.mask_token_id if diffusion else None
         self.algorithm_name = (cfg.algorithm or self.info.generation_defaults.get("algorithm")
+                               or (FAMILY_ALGORITHMS.get(spec.name) if diffusion else None)
                                or DEFAULT_ALGORITHM)
         get_algorithm(self.algorithm_name)  # fail fast on an unknown name
+        family: dict[str, Any] = dict(FAMILY_ALGORITHM_CONFIG.get(spec.name, {}))
+        if spec.default_sub_block_size and diffusion:
+            family["sub_block_size"] = min(spec.default_sub_block_size, self.block_size)
         self.algorithm_config = {
+            **family,
             **{k: v for k, v in self.info.generation_defaults.items() if k != "algorithm"},
             **cfg.algorithm_config,
         }
@@ -74,6 +101,8 @@ class Engine:
             max_tokens=max(cfg.max_prefill_tokens, cfg.max_running_requests * self.block_size),
         )
         denoise_inputs(self.runner.registry)
+        if isinstance(self.scheduler, FullDiffusionScheduler):
+            full_diffusion_inputs(self.runner.registry)
         self._init_cuda_graphs()
         self._rid_counter = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
@@ -103,6 +132,9 @@ class Engine:
             sched = BlockDiffusionScheduler(*args)
             sched.logits_shift = self.info.spec.logits_shift
             return sched
+        if kind == "full_diffusion":
+            return FullDiffusionScheduler(*args, compute_logits=self.model.compute_logits,
+                                          logits_shift=self.info.spec.logits_shift)
         raise NotImplementedError(f"{self.info.architecture} ({kind}) is not served yet")
 
     def _init_memory(self) -> None:
@@ -200,19 +232,44 @@ class Engine:
         dllm = dict(params.dllm)
         name = dllm.pop("algorithm", None) or self.algorithm_name
         algo_config: dict[str, Any] = {}
-        if self.mask_token_id is not None:
-            algo_config = get_algorithm(name).validate({**self.algorithm_config, **dllm},
-                                                       self.block_size)
+        extra: dict[str, Any] = {"block_size": self.block_size}
+        merged = {**self.algorithm_config, **dllm}
+        if self.full_attention:
+            layout = resolve_request(merged, get_algorithm(name), self.canvas_block_size,
+                                     params.max_new_tokens)
+            algo_config = layout.algo_config
+            extra = {"block_size": layout.block_size, "cache_mode": layout.cache_mode,
+                    "cfg_scale": layout.cfg_scale}
+        elif self.mask_token_id is not None:
+            self._check_block_diffusion_keys(merged)
+            algo_config = get_algorithm(name).validate(merged, self.block_size)
         elif dllm:
             raise ValueError(f"dllm settings apply to diffusion models; "
                              f"{self.info.architecture} is autoregressive")
         if params.seed is None:  # a copy: the caller may reuse one params object
             params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**31))
-        return Req(
+        req = Req(
             rid=rid if rid is not None else f"req-{next(self._rid_counter)}",
             prompt_ids=ids, params=params, algorithm=name, algo_config=algo_config,
-            block_size=self.block_size, arrival=self.step_count,
+            arrival=self.step_count, **extra,
         )
+        self.scheduler.check_fits(req)
+        return req
+
+    def _check_block_diffusion_keys(self, merged: dict[str, Any]) -> None:
+        """Full-attention settings mean nothing to a block-causal model: its block size is
+        the one it was trained with and its KV reuse is already exact."""
+        check_engine_keys(merged)
+        arch = self.info.architecture
+        if merged.get("block_size", self.block_size) != self.block_size:
+            raise ValueError(f"dllm.block_size: {arch} decodes in blocks of {self.block_size} "
+                             f"(its training block size); got {merged['block_size']}")
+        if merged.get("cfg_scale", 0):
+            raise ValueError(f"dllm.cfg_scale applies to full-attention models; {arch} is "
+                             "block-causal")
+        if merged.get("cache_mode", "exact") != "exact":
+            raise ValueError(f"dllm.cache_mode applies to full-attention models; {arch} "
+                             "reuses its KV exactly")
 
     def make_embed_request(self, text: str | list[int], dimensions: int | None = None,
                            normalize: bool | None = None, rid: str | None = None) -> Req:

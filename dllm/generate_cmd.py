@@ -82,8 +82,11 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- one prompt ---------------------------------------------------------------------------
 async def run_prompt(api, prompt: str, chat: bool, defaults: dict[str, Any],
-                     out: TextIO = sys.stdout) -> int:
+                     out: TextIO | None = None) -> int:
+    """Stream the completion of one prompt to ``out`` (stdout) as its blocks commit."""
     from dllm.server.protocol import APIError
+
+    out = out or sys.stdout
 
     body = {**defaults, "stream": True}
     if chat:
@@ -209,8 +212,15 @@ async def run_file(api, input_path: str, output_path: str, defaults: dict[str, A
 
         async def run(job: Job) -> None:
             nonlocal tokens
-            async with gate:
+            try:
                 status, rid, body = await api.handle(job.url, {**defaults, **job.body})
+            except Exception as exc:  # noqa: BLE001 - one line's failure is its own
+                status, rid = 500, None
+                body = {"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                  "type": "server_error", "param": None,
+                                  "code": "internal_error"}}
+            finally:
+                gate.release()
             if status == 200:
                 tokens += body["usage"]["completion_tokens"]
                 bar.set_postfix_str(f"{tokens / (time.monotonic() - start):.1f} tok/s",
@@ -220,7 +230,14 @@ async def run_file(api, input_path: str, output_path: str, defaults: dict[str, A
         for job in todo:
             if job.error is not None:
                 write(output_line(job))
-        await asyncio.gather(*(run(j) for j in todo if j.error is None))
+        running: set[asyncio.Task] = set()
+        for job in todo:  # at most ``max_in_flight`` lines are tokenized and queued at once
+            if job.error is None:
+                await gate.acquire()
+                task = asyncio.create_task(run(job))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        await asyncio.gather(*running)
     elapsed = time.monotonic() - start
     print(f"dllm generate: {counts['ok']} done, {counts['failed']} failed, {skipped} skipped "
           f"(already in {output_path}); {tokens} tokens in {elapsed:.1f} s "

@@ -69,14 +69,32 @@ class Req:
     embed_dimensions: int | None = None
     pool_state: dict[str, Any] = field(default_factory=dict)
     embedding: list[float] | None = None
+    # Full-attention diffusion (LLaDA, Dream; ``dllm.full_diffusion``): set for those requests
+    # only. Their canvas is the prompt and ``max_new_tokens`` masks; ``block_size`` is the
+    # request's own (blocks start at the prompt end).
+    cache_mode: str | None = None  # "exact" | "prefix" | "dual"
+    cfg_scale: float = 0.0  # > 0: an unconditional twin sequence runs beside the request
+    cfg_pool_idx: int | None = None  # the twin's request slot (its pages are in kv_pages)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
     @property
+    def is_full_attention(self) -> bool:
+        return self.cache_mode is not None
+
+    @property
+    def canvas_len(self) -> int:
+        """Full-attention requests: prompt + ``max_new_tokens``, the sequence every step sees."""
+        return self.prompt_len + self.params.max_new_tokens
+
+    @property
     def prefill_target(self) -> int:
-        """Prompt tokens prefilled in ``EXTEND``: the full prompt blocks (DESIGN §4)."""
+        """Prompt tokens prefilled in ``EXTEND``: the full prompt blocks (DESIGN §4). None for
+        full-attention requests: each of their steps (or block starts) recomputes the prompt."""
+        if self.is_full_attention:
+            return 0
         return (self.prompt_len // self.block_size) * self.block_size
 
     @property
@@ -86,7 +104,10 @@ class Req:
     @property
     def reserved_len(self) -> int:
         """Tokens of KV this request may ever write: the prompt and every block that can hold
-        part of its output, rounded up to a whole block."""
+        part of its output, rounded up to a whole block; a full-attention request reserves
+        exactly its canvas (its twin for CFG reserves as much again)."""
+        if self.is_full_attention:
+            return self.canvas_len
         end = self.prompt_len + self.params.max_new_tokens
         return -(-end // self.block_size) * self.block_size
 

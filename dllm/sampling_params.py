@@ -9,6 +9,8 @@ from dllm.algorithms.base import KNOWN_KEYS
 
 # Per-request diffusion keys accepted inside ``SamplingParams.dllm`` (DESIGN §5).
 DLLM_KEYS = KNOWN_KEYS
+# Full-attention models (LLaDA, Dream): how the KV of a step is reused (``dllm.full_diffusion``).
+CACHE_MODES = ("exact", "prefix", "dual")
 
 
 @dataclass
@@ -60,11 +62,26 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown dllm setting(s): {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(DLLM_KEYS))}")
+        check_engine_keys(self.dllm)
 
     @property
     def effective_top_k(self) -> int:
         """0 means no top-k filtering (-1 is accepted as vLLM's spelling of the same)."""
         return max(self.top_k, 0)
+
+
+def check_engine_keys(dllm: dict[str, Any]) -> None:
+    """Value checks of the ``dllm`` keys the engine reads itself (the algorithms check
+    their own keys): ``block_size``, ``cache_mode``, ``cfg_scale``."""
+    if "block_size" in dllm:
+        _check_int("dllm.block_size", dllm["block_size"], lo=1)
+    if "cache_mode" in dllm and dllm["cache_mode"] not in CACHE_MODES:
+        raise ValueError(f"dllm.cache_mode must be one of {', '.join(CACHE_MODES)}; "
+                         f"got {dllm['cache_mode']!r}")
+    if "cfg_scale" in dllm:
+        _check_number("dllm.cfg_scale", dllm["cfg_scale"], lo=0.0)
+        if dllm["cfg_scale"] == float("inf"):
+            raise ValueError("dllm.cfg_scale must be finite")
 
 
 def _check_int(name: str, value: Any, lo: int | None = None) -> None:

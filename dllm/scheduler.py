@@ -50,7 +50,9 @@ class Scheduler(ABC):
         """The forwards of one engine step, in order."""
 
     # ---- queue -------------------------------------------------------------------------
-    def add(self, req: Req) -> None:
+    def check_fits(self, req: Req) -> None:
+        """Raise ``ValueError`` if the request could never be admitted, however long it
+        waited (the whole pool is smaller than its reservation)."""
         pages = self.kv_pool.pages_for(req.reserved_len)
         if pages > self.kv_pool.num_usable_pages or req.reserved_len > self.req_pool.max_context:
             cap = min(self.kv_pool.num_usable_pages * self.kv_pool.page_size,
@@ -58,6 +60,9 @@ class Scheduler(ABC):
             raise ValueError(
                 f"request needs {req.reserved_len} tokens of KV cache (prompt + max_new_tokens, "
                 f"rounded up to a block); the engine holds at most {cap}")
+
+    def add(self, req: Req) -> None:
+        self.check_fits(req)
         if req.rid in self.running or any(r.rid == req.rid for r in self.waiting):
             raise ValueError(f"request id {req.rid!r} is already in use")
         self.waiting.append(req)

@@ -79,7 +79,7 @@ def _stop(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def sdar_dir(tmp_path_factory) -> str:
+def long_sdar_dir(tmp_path_factory) -> str:
     """A tiny SDAR with a long context, so that a request can run long enough to be
     interrupted (disconnect and abort tests) however fast the machine is."""
     path = tmp_path_factory.mktemp("sdar-long") / "tiny-sdar"
@@ -88,11 +88,11 @@ def sdar_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(sdar_dir, tmp_path_factory):
+def servers(long_sdar_dir, tmp_path_factory):
     """Both servers start at once (their start-up overlaps); one without and one with a key."""
     logs = tmp_path_factory.mktemp("server-logs")
-    plain = _start(sdar_dir, logs / "plain.log", "--num-kv-pages", "2048")
-    keyed = _start(sdar_dir, logs / "keyed.log", "--api-key", API_KEY,
+    plain = _start(long_sdar_dir, logs / "plain.log", "--num-kv-pages", "2048")
+    keyed = _start(long_sdar_dir, logs / "keyed.log", "--api-key", API_KEY,
                    "--served-model-name", "keyed-model", "--num-kv-pages", "256")
     try:
         _wait_ready(plain)
@@ -125,13 +125,13 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(sdar_dir):
-    return AutoTokenizer.from_pretrained(sdar_dir, local_files_only=True)
+def tokenizer(long_sdar_dir):
+    return AutoTokenizer.from_pretrained(long_sdar_dir, local_files_only=True)
 
 
 @pytest.fixture(scope="module")
-def model_name(sdar_dir) -> str:
-    return os.path.basename(os.path.normpath(sdar_dir))
+def model_name(long_sdar_dir) -> str:
+    return os.path.basename(os.path.normpath(long_sdar_dir))
 
 
 def metrics_of(http: httpx.Client) -> dict[str, float]:
@@ -176,11 +176,11 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "any") -> d
 
 
 # ---- the openai client ----------------------------------------------------------------------
-def test_health_and_models(http, model_name, sdar_dir):
+def test_health_and_models(http, model_name, long_sdar_dir):
     assert http.get("/health").json() == {"status": "ok"}
     data = http.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [model_name]
-    assert data[0]["root"] == sdar_dir
+    assert data[0]["root"] == long_sdar_dir
 
 
 def test_completion_usage_and_text(client, http, tokenizer, model_name):
@@ -382,7 +382,7 @@ def test_body_too_large(http):
 
 
 # ---- auth -----------------------------------------------------------------------------------
-def test_auth(keyed, sdar_dir):
+def test_auth(keyed, long_sdar_dir):
     body = {"prompt": "hi", "max_tokens": 2}
     with httpx.Client(base_url=keyed.url, timeout=60) as c:
         assert_error(c.post("/v1/completions", json=body), 401)
@@ -396,7 +396,13 @@ def test_auth(keyed, sdar_dir):
         assert ok.status_code == 200 and ok.json()["model"] == "keyed-model"
     client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=API_KEY, max_retries=0)
     assert client.completions.create(model="keyed-model", prompt="hi", max_tokens=2).choices
-    assert client.completions.create(model=sdar_dir, prompt="hi", max_tokens=2).choices
+    assert client.completions.create(model=long_sdar_dir, prompt="hi", max_tokens=2).choices
+    # Within the context but more KV than this server's 256 pages hold: the scheduler refuses
+    # it, still a 400.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="keyed-model", prompt="hi", max_tokens=8000)
+    assert e.value.status_code == 400 and e.value.body["param"] == "max_tokens"
+    assert "KV cache" in e.value.body["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=keyed.url + "/v1", api_key="bad", max_retries=0
                       ).completions.create(model="keyed-model", prompt="hi", max_tokens=2)
@@ -456,7 +462,8 @@ def test_duplicate_request_id(server, http):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={**LONG_RUN, "stream": True},
                       headers={"X-Request-Id": "dup"}) as r:
-            next(x for x in r.iter_lines() if x.startswith("data: "))
+            lines = r.iter_lines()  # keep a reference: a collected iterator hangs up
+            assert next(lines).startswith("data: ")
             again = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                               headers={"X-Request-Id": "dup"})
             assert_error(again, 400)
@@ -504,14 +511,13 @@ def test_100_concurrent_streams(server, http):
     assert wait_idle(http)["dllm:kv_cache_used_pages"] == 0
 
 
-def test_not_ready_is_503(sdar_dir):
+def test_not_ready_is_503(long_sdar_dir):
     """Before the engine is loaded (the app's lifespan never runs here) the API is 503."""
+    from dllm.config import EngineConfig
     from dllm.server.app import build_app
     from dllm.server.args import ServerConfig
 
-    from dllm.config import EngineConfig
-
-    app = build_app(ServerConfig(engine=EngineConfig(model=sdar_dir)))
+    app = build_app(ServerConfig(engine=EngineConfig(model=long_sdar_dir)))
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),

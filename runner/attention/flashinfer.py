@@ -119,10 +119,14 @@ class FlashInferBackend(AttentionBackend):
             return "decode"
         mask = None
         causal = fb.attention_mask is AttentionMask.CAUSAL
+        qo_indptr, kv_indptr, last = table.qo_indptr, table.kv_indptr, table.kv_last_page_len
         if fb.attention_mask is AttentionMask.BLOCK_CAUSAL and fb.mode is not ForwardMode.DLLM_EXTEND:
+            # Multi-block prompt prefill: FlashInfer packs the custom mask on the device and
+            # wants the indptr arrays there (a prompt prefill is never graph-captured).
             mask = block_causal_mask(fb)
-        self.prefill.plan(table.qo_indptr, table.kv_indptr, table.kv_indices,
-                          table.kv_last_page_len, num_qo_heads=layer.num_heads,
+            qo_indptr, kv_indptr, last = (t.to(self.device) for t in (qo_indptr, kv_indptr, last))
+        self.prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
+                          last, num_qo_heads=layer.num_heads,
                           head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
         return "prefill"
 

@@ -1,0 +1,127 @@
+"""``dllm eval``: exact-match accuracy on freshly generated task questions (``dllm.tasks``).
+
+For each unmasking setting (``threshold`` at several τ, and ``low_confidence_static`` with one
+token per step) every question is answered through ``LLM.chat`` and the reply, stripped, must
+equal the answer string. Parallelism is reported as tokens per denoise forward (generated
+tokens, the stop token included, over forwards that unmask tokens: commit forwards excluded)
+and denoise forwards per block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dllm import tasks
+
+DEFAULT_THRESHOLDS = (0.5, 0.7, 0.9, 0.95)
+
+
+@dataclass
+class SettingResult:
+    name: str
+    dllm: dict[str, Any]
+    accuracy: dict[str, float]  # per family, plus "overall"
+    tokens_per_forward: float
+    forwards_per_block: float
+    tokens: int
+    denoise_forwards: int
+    blocks: int
+    seconds: float
+    failures: list[dict[str, str]]  # the first few wrong answers
+
+
+def settings(block_size: int, thresholds: tuple[float, ...]) -> list[tuple[str, dict]]:
+    out = [(f"threshold τ={t}", {"algorithm": "threshold", "threshold": t}) for t in thresholds]
+    out.append(("low_confidence_static, 1 token/step",
+                {"algorithm": "low_confidence_static", "steps_per_block": block_size}))
+    return out
+
+
+def evaluate(llm, families: list[str], per_family: int, seed: int,
+             thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
+             max_new_tokens: int = 64) -> list[SettingResult]:
+    from dllm.sampling_params import SamplingParams
+
+    items = [(f, q, a) for f in families for q, a in tasks.generate(f, per_family, seed)]
+    conversations = [[{"role": "user", "content": q}] for _, q, _ in items]
+    results = []
+    for name, dllm in settings(llm.engine.block_size, thresholds):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, dllm=dllm)
+        start = time.perf_counter()
+        outs = llm.chat(conversations, params)
+        seconds = time.perf_counter() - start
+        hits: dict[str, list[bool]] = {f: [] for f in families}
+        failures = []
+        for (family, q, a), out in zip(items, outs, strict=True):
+            ok = out.text.strip() == a
+            hits[family].append(ok)
+            if not ok and len(failures) < 10:
+                failures.append({"family": family, "question": q, "expected": a,
+                                 "got": out.text})
+        accuracy = {f: sum(h) / len(h) for f, h in hits.items()}
+        accuracy["overall"] = sum(sum(h) for h in hits.values()) / len(items)
+        tokens = sum(len(o.token_ids) for o in outs)
+        forwards = sum(o.num_denoise_forwards for o in outs)
+        blocks = sum(o.num_blocks for o in outs)
+        results.append(SettingResult(
+            name=name, dllm=dllm, accuracy=accuracy,
+            tokens_per_forward=tokens / max(forwards, 1),
+            forwards_per_block=forwards / max(blocks, 1), tokens=tokens,
+            denoise_forwards=forwards, blocks=blocks, seconds=round(seconds, 2),
+            failures=failures))
+    return results
+
+
+def markdown_table(results: list[SettingResult], families: list[str]) -> str:
+    head = ["setting", *families, "overall", "tokens/forward", "forwards/block"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r.name, *(f"{100 * r.accuracy[f]:.1f}" for f in [*families, "overall"]),
+                 f"{r.tokens_per_forward:.2f}", f"{r.forwards_per_block:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--per-family", type=int, default=200, help="questions per task family")
+    p.add_argument("--families", default=",".join(tasks.EVAL_FAMILIES),
+                   help=f"comma-separated task families (known: {', '.join(tasks.FAMILIES)})")
+    p.add_argument("--eval-seed", type=int, default=tasks.EVAL_SEED,
+                   help="seed of the question generator (default: the held-out seed that "
+                        "training never uses)")
+    p.add_argument("--thresholds", default=",".join(str(t) for t in DEFAULT_THRESHOLDS),
+                   help="τ values of the threshold algorithm")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--output", help="write the results as JSON here")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from dllm.cli import engine_config_from_args
+    from dllm.llm import LLM
+
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in tasks.FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown task families {unknown}; known: {', '.join(tasks.FAMILIES)}")
+    if args.per_family < 1:
+        raise ValueError("--per-family must be at least 1")
+    thresholds = tuple(float(t) for t in args.thresholds.split(",") if t.strip())
+    cfg = engine_config_from_args(args)
+    llm = LLM(**{k: getattr(cfg, k) for k in cfg.field_names()})
+    results = evaluate(llm, families, args.per_family, args.eval_seed, thresholds,
+                       args.max_new_tokens)
+    print(f"model: {llm.engine.info.path} (block size {llm.engine.block_size}); "
+          f"{args.per_family} questions per family, seed {args.eval_seed}")
+    print(markdown_table(results, families))
+    if args.output:
+        report = {"model": llm.engine.info.path, "block_size": llm.engine.block_size,
+                  "families": families, "per_family": args.per_family,
+                  "eval_seed": args.eval_seed, "results": [asdict(r) for r in results]}
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    return 0

@@ -1,0 +1,349 @@
+"""Generation for full-attention diffusion models: LLaDA, LLaDA-MoE, Dream (DESIGN §4, last
+bullet).
+
+Semantics are LLaDA's ``generate``: the canvas is the prompt followed by ``max_new_tokens``
+mask tokens and every token attends to every other, the masked tail included. The canvas is
+decoded in blocks of ``block_size`` positions starting at the prompt end (semi-autoregressive),
+each block in the algorithm's steps; a block's tokens are final when it has no mask left.
+
+**A step.** One ``EXTEND`` forward with the FULL mask, ragged: every row is its own sequence
+(its own request slot and KV pages), so a request computes the same tokens alone or in any
+batch. The forward returns hidden states only; the post-step computes the logits of each
+request's current block (never of the whole canvas) and runs the unmasking algorithm through
+``DenoisePost``. What a row queries depends on the request's ``cache_mode``:
+
+* ``exact``: the whole canvas, every step: the reference generators' computation.
+* ``prefix`` (Fast-dLLM prefix cache): the whole canvas at a block's first step, which writes
+  the KV of every position; the block's later steps query the block and everything after it,
+  attending to the prefix KV cached at the block start.
+* ``dual`` (Fast-dLLM dual cache): as ``prefix`` at a block's first step; later steps query the
+  block only and attend to the prefix and the suffix cached at the block start (``seq_len`` is
+  the canvas end).
+
+Shifted logits (Dream: position p is read from the logits at p − 1): in the cached modes a
+row's query starts one token before the block, whose KV is rewritten by it. (Fast-dLLM's Dream
+code reads the block's first position from that position's own logits instead.)
+
+**CFG** (``cfg_scale`` > 0, LLaDA): the unconditional twin, the canvas with the prompt replaced
+by mask tokens, is a second row of the same forward in its own request slot and pages (the
+request reserves twice its canvas); logits = un + (cfg_scale + 1)·(cond − un), as LLaDA.
+
+**Blocks and steps.** ``block_size``: the request's ``dllm.block_size``, else the engine's
+(its argument or ``config.json``), else 32 for LLaDA and LLaDA-MoE (the LLaDA demo and
+evaluation setting) and the whole canvas for Dream; clipped to ``max_new_tokens``. The
+reference asserts that the block size divides the generation length; here a last block may be
+shorter. ``dllm.steps`` is the total over the canvas (LLaDA's and Dream's ``steps``): it must be
+a multiple of the number of blocks, and each block gets ``steps // num_blocks`` (as
+``steps_per_block`` for LLaDA's ``low_confidence_static``, overriding a ``steps_per_block``
+setting, and as ``steps`` for Dream's schedules); unset, the algorithm's own keys apply (by
+default one token per step).
+
+**End.** Stops are searched in each decided block, which is exact: a block never changes once
+decided, and it depends on later positions only as masks. So a request ends with the first
+block that holds EOS/a stop (output cut after it; LLaDA's reference would go on filling the
+canvas after EOS) or with its last block (``max_new_tokens``).
+
+**Budget.** A step's rows fit ``max_prefill_tokens`` query tokens (at least one request always
+runs); requests take turns, least recently run first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dllm.algorithms.base import UnmaskingAlgorithm
+from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
+from dllm.request import BlockState, FinishReason, Req
+from dllm.runner.forward_batch import (
+    AttentionMask,
+    ForwardBatch,
+    ForwardMode,
+    LogitsMode,
+    ScheduledBatch,
+)
+from dllm.runner.input_registry import InputRegistry
+from dllm.sampling_params import check_engine_keys
+from dllm.scheduler import Scheduler, Work
+
+# Block size when neither the request, the engine nor config.json sets one (None: the canvas).
+DEFAULT_BLOCK_SIZE: dict[str, int | None] = {
+    "LLaDAModelLM": 32, "LLaDAMoEModelLM": 32, "DreamModel": None,
+}
+# Post-step inputs, per row of the forward (name -> dtype).
+ROW_FIELDS = {
+    "fd.offset": torch.int64,  # index of the block's first token within the row's query
+    "fd.partner": torch.int64,  # CFG: row of the unconditional twin minus this row (else 0)
+    "fd.uncond": torch.int64,  # 1 on a twin row
+    "fd.block_len": torch.int64,
+    "fd.cfg_scale": torch.float32,
+}
+
+
+def full_diffusion_inputs(registry: InputRegistry) -> None:
+    for name, dtype in ROW_FIELDS.items():
+        registry.register(name, "reqs", dtype, 0)
+
+
+@dataclass(frozen=True)
+class RequestLayout:
+    """A full-attention request's resolved settings."""
+
+    block_size: int
+    cache_mode: str
+    cfg_scale: float
+    algo_config: dict[str, Any]
+
+
+def resolve_request(config: Mapping[str, Any], algorithm: UnmaskingAlgorithm,
+                    default_block_size: int | None, max_new_tokens: int) -> RequestLayout:
+    """Block size, cache mode, CFG scale and the per-block algorithm settings of a request
+    from its merged ``dllm`` settings (engine ``algorithm_config`` under the request's)."""
+    check_engine_keys(config)
+    block = min(config.get("block_size") or default_block_size or max_new_tokens, max_new_tokens)
+    num_blocks = -(-max_new_tokens // block)
+    cfg = dict(config)
+    steps = cfg.get("steps")
+    if steps:  # the total over the canvas; 0 or unset: the algorithm's default
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"dllm.steps must be a non-negative integer, got {steps!r}")
+        if steps % num_blocks:
+            raise ValueError(
+                f"dllm.steps ({steps}) must be a multiple of the number of blocks "
+                f"({num_blocks}: max_new_tokens {max_new_tokens} in blocks of {block})")
+        per_block = steps // num_blocks
+        if "steps_per_block" in algorithm.defaults:
+            if per_block > block:
+                raise ValueError(f"dllm.steps ({steps}) gives {per_block} steps per block, "
+                                 f"more than the block size {block}")
+            cfg["steps_per_block"] = per_block
+        cfg["steps"] = per_block
+    return RequestLayout(block, config.get("cache_mode", "exact"),
+                         float(config.get("cfg_scale", 0.0)), algorithm.validate(cfg, block))
+
+
+class FullDiffusionScheduler(Scheduler):
+    def __init__(self, *args: Any, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                 logits_shift: int = 0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.compute_logits = compute_logits
+        self.logits_shift = logits_shift
+        self._tick = 0
+        self._last_run: dict[str, int] = {}
+
+    # ---- memory: a CFG request also holds its twin's slot and pages ---------------------
+    def _pages(self, req: Req) -> int:
+        return self.kv_pool.pages_for(req.reserved_len) * (2 if req.cfg_scale > 0 else 1)
+
+    def check_fits(self, req: Req) -> None:
+        super().check_fits(req)
+        if req.cfg_scale > 0:
+            if self.req_pool.max_reqs < 2:
+                raise ValueError("cfg_scale > 0 needs two request slots (the unconditional "
+                                 "twin); start the engine with max_running_requests >= 2")
+            if self._pages(req) > self.kv_pool.num_usable_pages:
+                raise ValueError(
+                    f"request needs 2 x {req.reserved_len} tokens of KV cache (prompt + "
+                    f"max_new_tokens, twice for cfg_scale > 0); the engine holds at most "
+                    f"{self.kv_pool.num_usable_pages * self.kv_pool.page_size}")
+
+    def _try_admit(self, req: Req) -> bool:
+        twin = req.cfg_scale > 0
+        if twin and (self.req_pool.num_free < 2
+                     or self.kv_pool.num_free_pages < self._pages(req)):
+            return False
+        if not super()._try_admit(req):
+            return False
+        if twin:
+            n = req.reserved_len
+            pages = self.kv_pool.alloc_pages(self.kv_pool.pages_for(n))
+            req.kv_pages.extend(pages)
+            req.cfg_pool_idx = self.req_pool.alloc()
+            self.req_pool.req_to_token[req.cfg_pool_idx, :n] = self.kv_pool.slots_for(
+                pages, 0, n).to(self.req_pool.req_to_token.device)
+        return True
+
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        if req.cfg_pool_idx is not None:
+            self.req_pool.free(req.cfg_pool_idx)
+            req.cfg_pool_idx = None
+        self._last_run.pop(req.rid, None)
+        super().finish(req, reason, error)
+
+    def check_memory(self) -> None:
+        held = [p for r in self.running.values() for p in r.kv_pages]
+        assert len(held) == len(set(held)), "a KV page is held twice"
+        assert len(held) + self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages, (
+            f"KV pages leaked: {self.kv_pool.num_usable_pages} usable, "
+            f"{self.kv_pool.num_free_pages} free, {len(held)} held")
+        slots = [s for r in self.running.values() for s in (r.req_pool_idx, r.cfg_pool_idx)
+                 if s is not None]
+        assert len(slots) + self.req_pool.num_free == self.req_pool.max_reqs, "request slots leaked"
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> list[Work]:
+        self.admit()
+        reqs = self._pick()
+        if not reqs:
+            return []
+        return [Work(self.build_step(reqs), self.apply_step, self.make_post)]
+
+    def _pick(self) -> list[Req]:
+        """Least recently run first, within the token budget (the first always runs)."""
+        order = sorted(self.running.values(), key=lambda r: self._last_run.get(r.rid, -1))
+        budget, picked = self.config.max_prefill_tokens, []
+        for req in order:
+            if req.block is None:
+                self._start_block(req)
+            lo, hi, _ = self._query(req)
+            cost = (hi - lo) * (2 if req.cfg_scale > 0 else 1)
+            if picked and cost > budget:
+                continue
+            picked.append(req)
+            budget -= cost
+        return picked
+
+    def _start_block(self, req: Req) -> None:
+        start = req.committed_len
+        n = min(req.block_size, req.canvas_len - start)
+        req.block = BlockState(start=start, tokens=[self.config.mask_token_id] * n,
+                               editable=[True] * n, num_initial_masks=n)
+
+    def _query(self, req: Req) -> tuple[int, int, int]:
+        """``(first, end, seq_len)``: the row's query covers cache indices [first, end)."""
+        blk, end = req.block, req.canvas_len
+        if req.cache_mode == "exact" or blk.step == 0:
+            return 0, end, end
+        first = blk.start - self.logits_shift
+        if req.cache_mode == "prefix":
+            return first, end, end
+        return first, blk.start + len(blk.tokens), end  # dual
+
+    def _canvas(self, req: Req, uncond: bool) -> list[int]:
+        mask = self.config.mask_token_id
+        blk = req.block
+        tail = req.canvas_len - blk.start - len(blk.tokens)
+        head = [mask] * req.prompt_len if uncond else req.prompt_ids
+        return [*head, *req.output_ids, *blk.tokens, *[mask] * tail]
+
+    def build_step(self, reqs: list[Req]) -> ScheduledBatch:
+        """Conditional rows first (row i is ``reqs[i]``), then the CFG twins."""
+        batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.FULL,
+                               logits_mode=LogitsMode.NONE)
+        twins = [r for r in reqs if r.cfg_scale > 0]
+        rows = [(r, False) for r in reqs] + [(r, True) for r in twins]
+        twin_row = {r.rid: len(reqs) + k for k, r in enumerate(twins)}
+        for i, (req, uncond) in enumerate(rows):
+            first, end, seq_len = self._query(req)
+            pool_idx = req.cfg_pool_idx if uncond else req.req_pool_idx
+            batch.add_row(req.rid, pool_idx, self._canvas(req, uncond)[first:end], first, seq_len)
+            fields = {
+                "fd.offset": req.block.start - first,
+                "fd.partner": twin_row[req.rid] - i if req.cfg_scale > 0 and not uncond else 0,
+                "fd.uncond": int(uncond),
+                "fd.block_len": len(req.block.tokens),
+                "fd.cfg_scale": float(req.cfg_scale),
+            }
+            for name, value in fields.items():
+                batch.row_inputs.setdefault(name, []).append(value)
+        row_reqs = [r for r, _ in rows]
+        batch.row_inputs.update(
+            step=[r.block.step for r in row_reqs],
+            num_initial_masks=[r.block.num_initial_masks for r in row_reqs],
+            is_commit=[0] * len(row_reqs),
+            **sampling_rows(row_reqs),
+            **config_rows(row_reqs),
+        )
+        batch.row_tensors.update(state_rows(row_reqs, self.req_pool.req_to_token.device))
+        return batch
+
+    def make_post(self, batch: ScheduledBatch) -> FullDiffusionPost:
+        """The requests this batch can step: its leading conditional rows whose twin (if
+        any) is in the batch too. A batch split for error isolation may hold a row alone."""
+        inp = batch.row_inputs
+        active: list[Req] = []
+        for i, rid in enumerate(batch.rids):
+            partner = i + inp["fd.partner"][i]
+            req = self.running.get(rid)
+            if (req is None or inp["fd.uncond"][i] or partner >= batch.batch_size
+                    or batch.rids[partner] != rid):
+                break
+            active.append(req)
+        return FullDiffusionPost(active, self.config.mask_token_id, self.logits_shift,
+                                 self.compute_logits)
+
+    def apply_step(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        if output is None:
+            return []
+        self._tick += 1
+        result = DenoisePost.read(output)
+        changed = []
+        for r, tokens in enumerate(result.tokens):
+            req = self.running.get(batch.rids[r])
+            if req is None or req.block is None:
+                continue
+            self._last_run[req.rid] = self._tick
+            req.num_forward_passes += 1
+            req.num_denoise_forwards += 1
+            blk = req.block
+            blk.step += 1
+            blk.tokens = tokens[: len(blk.tokens)]
+            blk.transfers += result.num_transferred[r]
+            blk.algo_state = result.state[r]
+            if result.done[r]:
+                req.num_blocks_committed += 1
+                req.block = None
+                self.commit_tokens(req, blk.tokens)
+                changed.append(req)
+        return changed
+
+
+class FullDiffusionPost:
+    """Device post-step: the current block's logits of each active request (row i of the
+    forward), CFG-combined with its twin's, then ``DenoisePost`` over ``[n, B]`` blocks
+    (``B`` the longest block; shorter blocks are padded with non-editable positions)."""
+
+    def __init__(self, reqs: list[Req], mask_token_id: int, logits_shift: int,
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.reqs = reqs
+        self.width = max((len(r.block.tokens) for r in reqs), default=0)
+        self.any_cfg = any(r.cfg_scale > 0 for r in reqs)
+        self.shift = logits_shift
+        self.compute_logits = compute_logits
+        self.denoise = DenoisePost.for_reqs(reqs, mask_token_id, 0)
+
+    def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
+                 logits: torch.Tensor | None) -> Any:
+        n, width = len(self.reqs), self.width
+        if n == 0:
+            return None
+        ex = fb.extras
+        lens = fb.extend_lens[: len(fb.extend_lens_cpu)]
+        row_start = torch.cumsum(lens, 0) - lens
+        j = torch.arange(width, device=hidden.device)
+        last = fb.num_tokens - 1
+
+        def block_index(rows: torch.Tensor) -> torch.Tensor:  # [n, width] token indices
+            return (row_start[rows] + ex["fd.offset"][rows])[:, None] + j
+
+        def block_logits(index: torch.Tensor) -> torch.Tensor:
+            at = (index - self.shift).clamp(0, last).reshape(-1)
+            return self.compute_logits(hidden[at]).view(n, width, -1)
+
+        rows = torch.arange(n, device=hidden.device)
+        index = block_index(rows)
+        out = block_logits(index)
+        if self.any_cfg:  # rows without a twin point at themselves: un == cond there
+            un = block_logits(block_index(rows + ex["fd.partner"][:n]))
+            scale = (ex["fd.cfg_scale"][:n] + 1.0).to(out.dtype)[:, None, None]
+            out = un + scale * (out - un)
+        index = index.clamp(max=last)
+        view = dataclasses.replace(
+            fb, input_ids=fb.input_ids[index].reshape(-1),
+            positions=fb.positions[index].reshape(-1), block_size=width,
+            extras={**ex, "editable": (j < ex["fd.block_len"][:n, None]).reshape(-1)})
+        return self.denoise(view, hidden, out.reshape(n * width, -1))

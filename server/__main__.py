@@ -1,0 +1,7 @@
+"""``python -m dllm.server --model DIR`` (the same as ``dllm serve``)."""
+
+import sys
+
+from dllm.server.launch import main
+
+sys.exit(main())

@@ -1,0 +1,229 @@
+"""The FastAPI app: routes, error shapes, streaming and client-disconnect handling.
+
+The engine is built in a worker thread after the server starts listening (``/health`` and
+every API route answer 503 until it is ready) and runs its loop on its own thread
+(``AsyncLLM``). A client that goes away aborts its request: a streaming response is cancelled
+by Starlette when the connection drops, and a non-streaming one is watched with
+``request.is_disconnected()``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dllm.async_llm import AsyncLLM
+from dllm.server.args import ServerConfig
+from dllm.server.metrics import CONTENT_TYPE, ServerMetrics, engine_stats
+from dllm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from dllm.server.native_api import NativeServing
+from dllm.server.openai_api import OpenAIServing
+from dllm.server.protocol import (
+    AbortRequest,
+    APIError,
+    bad_request,
+    not_ready,
+    parse_json_object,
+    validate,
+)
+from dllm.server.serving import Serving
+
+logger = logging.getLogger("dllm.server")
+DISCONNECT_POLL_S = 0.25
+MAX_REQUEST_ID = 256
+
+
+class ServerState:
+    """What the routes share. ``serving`` is ``None`` until the engine is ready."""
+
+    def __init__(self, config: ServerConfig, llm: AsyncLLM | None = None):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.llm = llm
+        self.serving: Serving | None = None
+        self.openai: OpenAIServing | None = None
+        self.native: NativeServing | None = None
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[], None] | None = None
+
+    async def load(self) -> None:
+        try:
+            if self.llm is None:
+                self.llm = await asyncio.to_thread(_build_llm, self.config)
+        except Exception as exc:  # noqa: BLE001 - reported, then the server exits
+            logger.exception("could not load the model")
+            self.load_error = exc
+            if self.on_load_error is not None:
+                self.on_load_error()
+            return
+        serving = Serving(self.llm, self.config.engine.served_model_name, self.metrics)
+        self.openai, self.native = OpenAIServing(serving), NativeServing(serving)
+        self.serving = serving
+        logger.info("serving %s (%s) as %r", serving.model_path,
+                    self.llm.engine.info.architecture, serving.model_name)
+
+    def ready(self) -> Serving:
+        if self.serving is None:
+            raise not_ready()
+        return self.serving
+
+
+def _build_llm(config: ServerConfig) -> AsyncLLM:
+    from dllm.engine import Engine
+
+    return AsyncLLM(engine=Engine(config.engine))
+
+
+def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
+    """The app for ``config``; ``llm`` (optional) is an engine already built."""
+    state = ServerState(config, llm)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            if state.llm is not None:
+                await asyncio.to_thread(state.llm.shutdown)
+
+    app = FastAPI(title="dllm", lifespan=lifespan)
+    app.state.dllm = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    # Added last = outermost: auth answers before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+# ---- routes -------------------------------------------------------------------------------
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.serving is not None:
+            stats = await asyncio.to_thread(state.llm.call_in_engine, engine_stats)
+            state.metrics.set_engine_stats(*stats)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        s = state.ready()
+        return JSONResponse({"object": "list", "data": [{
+            "id": s.model_name, "object": "model", "created": s.created, "owned_by": "dllm",
+            "root": s.model_path, "max_model_len": s.context_length}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state.ready()
+        body = parse_json_object(await request.body())
+        return await _answer(request, state.openai.completions(body, _request_id(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state.ready()
+        body = parse_json_object(await request.body())
+        return await _answer(request, state.openai.chat(body, _request_id(request)))
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        state.ready()
+        body = parse_json_object(await request.body())
+        return await _answer(request, state.native.generate(body))
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        serving = state.ready()
+        req: AbortRequest = validate(AbortRequest, parse_json_object(await request.body()))
+        return JSONResponse({"rid": req.rid, "aborted": serving.abort(req.rid)})
+
+
+def _request_id(request: Request) -> str | None:
+    rid = request.headers.get("x-request-id")
+    if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()):
+        raise bad_request(f"X-Request-Id must be 1 to {MAX_REQUEST_ID} printable characters")
+    return rid
+
+
+async def _answer(request: Request, work: Awaitable[Any]) -> Response:
+    """Run a route's work; if the client disconnects first, cancel it (which aborts its
+    requests in the engine)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            break
+        if await request.is_disconnected():
+            task.cancel()
+            with suppress(asyncio.CancelledError, APIError):
+                await task
+            return Response(status_code=499)  # nobody reads it
+    result = task.result()
+    if isinstance(result, AsyncIterator):
+        return SSEResponse(_sse(result), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(result)
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await chunks.aclose()
+
+
+class SSEResponse(StreamingResponse):
+    """Closes its iterator however the response ends (finished, cancelled on disconnect, or
+    failed in ``send``), so the request's memory is returned at once, not at GC time."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+# ---- errors -------------------------------------------------------------------------------
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        err = (exc.errors() or [{}])[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        return await api_error(_, bad_request(f"{loc}: {err.get('msg', 'invalid request')}",
+                                              loc or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        types = {404: "not_found_error", 405: "invalid_request_error"}
+        error = APIError(exc.status_code, str(exc.detail),
+                         types.get(exc.status_code, "invalid_request_error"))
+        return JSONResponse(error.to_dict(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.error("internal error", exc_info=exc)
+        error = APIError(500, f"internal server error ({type(exc).__name__})", "server_error",
+                         None, "internal_error")
+        return JSONResponse(error.to_dict(), status_code=500)

@@ -1,0 +1,94 @@
+"""Plain ASGI middleware: API-key auth and the request body size limit. Both answer before the
+body is parsed, with the OpenAI error shape."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from dllm.server.protocol import APIError
+
+PROTECTED_PREFIXES = ("/v1/", "/generate", "/abort_request")
+
+
+async def send_error(send, exc: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(exc.to_dict()).encode()
+    await send({"type": "http.response.start", "status": exc.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer KEY`` on the API routes (``/v1/*``, ``/generate``,
+    ``/abort_request``); ``/health``, ``/metrics`` and the docs stay open."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not any(
+                scope["path"] == p.rstrip("/") or scope["path"].startswith(p)
+                for p in PROTECTED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(got, self.expected):
+            await send_error(send, APIError(
+                401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                "authentication_error", None, "invalid_api_key"),
+                [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``max_bytes``: by its Content-Length, else while it streams in.
+    The body is read here and replayed to the app, so the app never sees a partial one."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of "
+                        f"{self.max_bytes} bytes", "invalid_request_error", None,
+                        "request_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = 0
+            if declared > self.max_bytes:
+                await send_error(send, self._too_large(), [(b"connection", b"close")])
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await send_error(send, self._too_large(), [(b"connection", b"close")])
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

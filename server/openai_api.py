@@ -1,0 +1,192 @@
+"""The OpenAI routes' logic, shared by the HTTP server and ``dllm generate``: a JSON body in,
+a completion / chat.completion object (or an async iterator of chunk objects) out.
+
+A request with several prompts (``prompt: [..]``) runs them together; each is a choice.
+Streaming yields one chunk per committed block of any choice (the chunk's ``index`` says
+which), and with ``stream_options.include_usage`` a last chunk with the usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dllm.outputs import RequestOutput
+from dllm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    bad_request,
+    reject_unsupported,
+    validate,
+)
+from dllm.server.serving import RunningGroup, Serving
+
+Chunk = dict[str, Any]
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+class OpenAIServing:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+
+    # ---- /v1/completions -----------------------------------------------------------------
+    async def completions(self, body: dict[str, Any], request_id: str | None = None
+                          ) -> Chunk | AsyncIterator[Chunk]:
+        arrival = time.monotonic()
+        req: CompletionRequest = validate(CompletionRequest, body)
+        prompts = completion_prompts(req.prompt)
+        gid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        group = await self._start(req, gid, prompts, req.max_tokens, "max_tokens", arrival)
+        if req.stream:
+            return self._stream(group, "text_completion", len(prompts), req.include_usage)
+        return self._full(await collect(group, len(prompts)), gid, "text_completion")
+
+    # ---- /v1/chat/completions ------------------------------------------------------------
+    async def chat(self, body: dict[str, Any], request_id: str | None = None
+                   ) -> Chunk | AsyncIterator[Chunk]:
+        arrival = time.monotonic()
+        req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        gid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        group = await self._start(req, gid, [messages], max_tokens, name, arrival)
+        if req.stream:
+            return self._stream(group, "chat.completion.chunk", 1, req.include_usage)
+        return self._full(await collect(group, 1), gid, "chat.completion")
+
+    # ---- one batch line (``dllm generate``) ----------------------------------------------
+    async def handle(self, url: str, body: dict[str, Any]) -> tuple[int, str, Chunk]:
+        """(status code, request id, response body) of a non-streaming call, errors
+        included: one line of a batch file."""
+        rid = f"{'chatcmpl' if url.endswith('/chat/completions') else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            if url == "/v1/completions":
+                return 200, rid, await self.completions({**body, "stream": False}, rid)
+            if url == "/v1/chat/completions":
+                return 200, rid, await self.chat({**body, "stream": False}, rid)
+            raise APIError(404, f"unknown url {url[:100]!r}; use one of {', '.join(ENDPOINTS)}",
+                           param="url", code="unknown_url")
+        except APIError as exc:
+            return exc.status, rid, exc.to_dict()
+
+    # ---- shared --------------------------------------------------------------------------
+    async def _start(self, req: SamplingFields, gid: str, prompts: list, max_tokens: int | None,
+                     max_name: str, arrival: float) -> RunningGroup:
+        reject_unsupported(req)
+        self.serving.check_model(req.model)
+        params = self.serving.sampling_params({
+            "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "top_k": req.top_k, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos, "seed": req.seed, "dllm": req.dllm,
+        }, max_name)
+        reqs = await self.serving.make(gid, prompts, params, max_tokens is not None, max_name)
+        return await self.serving.start(gid, reqs, arrival, max_name)
+
+    def _full(self, outs: list[RequestOutput], gid: str, obj: str) -> Chunk:
+        choices = []
+        for i, out in enumerate(outs):
+            choice: Chunk = {"index": i}
+            if obj == "chat.completion":
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choice.update(logprobs=None, finish_reason=out.finish_reason)
+            choices.append(choice)
+        return {"id": gid, "object": obj, "created": int(time.time()),
+                "model": self.serving.model_name, "choices": choices, "usage": usage(outs)}
+
+    async def _stream(self, group: RunningGroup, obj: str, n: int,
+                      include_usage: bool) -> AsyncIterator[Chunk]:
+        created = int(time.time())
+        chat = obj == "chat.completion.chunk"
+        finals: list[RequestOutput | None] = [None] * n
+
+        def chunk(choices: list[Chunk], **extra: Any) -> Chunk:
+            c = {"id": group.gid, "object": obj, "created": created,
+                 "model": self.serving.model_name, "choices": choices}
+            if include_usage:
+                c["usage"] = None
+            c.update(extra)
+            return c
+
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None} for i in range(n)])
+            async for i, part in group:
+                out = part.output
+                if out is not None and out.finish_reason == "error":
+                    yield generation_failed(out).to_dict()
+                    return
+                choice: Chunk = {"index": i}
+                if chat:
+                    choice["delta"] = {"content": part.delta_text} if part.delta_text else {}
+                else:
+                    choice["text"] = part.delta_text
+                choice.update(logprobs=None, finish_reason=part.finish_reason)
+                yield chunk([choice])
+                if out is not None:
+                    finals[i] = out
+            if include_usage:
+                yield chunk([], usage=usage([o for o in finals if o is not None]))
+        finally:
+            await group.aclose()
+
+
+# ---- helpers (also used by the native API) ------------------------------------------------
+async def collect(group: RunningGroup, n: int) -> list[RequestOutput]:
+    """Run a group to the end; a failed generation is a 500."""
+    outs: list[RequestOutput | None] = [None] * n
+    try:
+        async for i, part in group:
+            if part.output is not None:
+                outs[i] = part.output
+    finally:
+        await group.aclose()
+    for out in outs:
+        if out is None or out.finish_reason == "error":
+            raise generation_failed(out)
+    return outs  # type: ignore[return-value]
+
+
+def generation_failed(out: RequestOutput | None) -> APIError:
+    why = out.error if out is not None else "no output"
+    return APIError(500, f"generation failed: {why}", "server_error", None, "internal_error")
+
+
+def usage(outs: list[RequestOutput]) -> Chunk:
+    prompt = sum(o.prompt_tokens for o in outs)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def completion_prompts(prompt: str | list) -> list:
+    """A string, a list of strings, a list of ids or a list of id lists -> one prompt each."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def chat_message(m: ChatMessage, i: int) -> dict[str, str]:
+    """A message as the chat template wants it: string role and content (text parts joined)."""
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"messages.{i}.content: only text parts are supported, got "
+                                  f"type {part.type[:100]!r}", "messages")
+            texts.append(part.text)
+        content = "".join(texts)
+    return {"role": m.role, "content": content or ""}

@@ -1,0 +1,206 @@
+"""Request models of the HTTP API (OpenAI and the SGLang-style native ``/generate``) and the
+error type every route answers with (DESIGN §10).
+
+Models are strict (no ``"5"`` for an integer) and allow unknown fields, so OpenAI clients that
+send fields we do not use keep working; fields we cannot honour (``n > 1``, ``logprobs``, ...)
+are refused with a 400 by ``reject_unsupported``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_ECHO = 100  # characters of client input echoed back in an error message
+MAX_MESSAGE = 500
+
+
+def clip(text: str, limit: int = MAX_ECHO) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = clip(message, MAX_MESSAGE)
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, "invalid_request")
+
+
+def not_ready() -> APIError:
+    return APIError(503, "the model is still loading; retry when /health answers 200",
+                    "service_unavailable_error", None, "model_not_ready")
+
+
+# ---- parsing ------------------------------------------------------------------------------
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``model.model_validate(body)``, with pydantic's errors turned into one 400."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
+    message = f"{loc}: {err['msg']}" if loc else err["msg"]
+    if err.get("type") != "missing" and "input" in err:
+        message += f" (got {clip(_short_repr(err['input']))})"
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more error{'s' if more > 1 else ''})"
+    return bad_request(message, loc.split(".")[0] if loc else None)
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)[: MAX_ECHO + 1]
+    except (TypeError, ValueError):
+        return repr(value)[: MAX_ECHO + 1]
+
+
+# ---- models -------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class SamplingFields(_Model):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    dllm: dict[str, Any] | None = None  # per-request diffusion settings (SamplingParams.dllm)
+    # OpenAI fields accepted only at their no-op value (see ``reject_unsupported``).
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class NativeSamplingParams(_Model):
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+    dllm: dict[str, Any] | None = None
+
+
+class GenerateRequest(_Model):
+    """SGLang's ``/generate``: ``text`` or ``input_ids`` (one prompt or a list of them)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+
+
+class AbortRequest(_Model):
+    rid: str
+
+
+# ---- what we refuse -----------------------------------------------------------------------
+def _unsupported(req: _Model) -> tuple[str, str] | None:
+    """(field, reason) of the first field set to a value this server cannot honour."""
+    get = lambda name: getattr(req, name, None)  # noqa: E731
+    checks: list[tuple[str, bool, str]] = [
+        ("n", get("n") not in (None, 1), "only n=1 is supported; send several requests"),
+        ("best_of", get("best_of") not in (None, 1), "only best_of=1 is supported"),
+        ("logprobs", get("logprobs") not in (None, False), "logprobs are not supported"),
+        ("top_logprobs", get("top_logprobs") is not None, "logprobs are not supported"),
+        ("return_logprob", bool(get("return_logprob")), "logprobs are not supported"),
+        ("echo", bool(get("echo")), "echo is not supported"),
+        ("suffix", bool(get("suffix")), "suffix is not supported"),
+        ("presence_penalty", bool(get("presence_penalty")), "penalties are not supported"),
+        ("frequency_penalty", bool(get("frequency_penalty")), "penalties are not supported"),
+        ("logit_bias", bool(get("logit_bias")), "logit_bias is not supported"),
+        ("tools", bool(get("tools")), "tools are not supported"),
+        ("response_format",
+         (get("response_format") or {"type": "text"}).get("type") != "text",
+         "only the 'text' response_format is supported"),
+    ]
+    return next(((name, why) for name, bad, why in checks if bad), None)
+
+
+def reject_unsupported(req: _Model) -> None:
+    hit = _unsupported(req)
+    if hit is not None:
+        raise bad_request(f"{hit[0]}: {hit[1]}", hit[0])
