@@ -1,0 +1,154 @@
+"""The built-in model (``dllm/builtin_model/``): it loads with no arguments and answers, the
+task generator it was trained on is deterministic, and its training script runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from dllm import LLM, SamplingParams, tasks
+from dllm.checkpoint import BUILTIN_MODEL_DIR
+from dllm.cli import main as cli_main
+from dllm.models.loader import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXED = [
+    ("What is 17+25?", "42"),
+    ("What is 348 + 127?", "475"),
+    ("Compute 90 - 58.", "32"),
+    ("Which is larger, 482 or 428?", "482"),
+    ("Reverse the word: planet", "tenalp"),
+    ("Sort these words: pear, apple, fig", "apple, fig, pear"),
+    ("How many letters are in 'banana'?", "6"),
+]
+
+
+def load_train_script():
+    spec = importlib.util.spec_from_file_location("train_builtin",
+                                                  ROOT / "scripts" / "train_builtin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def builtin() -> LLM:
+    return LLM()  # no model: the built-in one
+
+
+def test_builtin_model_answers(builtin):
+    outs = builtin.chat([[{"role": "user", "content": q}] for q, _ in FIXED],
+                        SamplingParams(max_new_tokens=32))
+    assert [o.text.strip() for o in outs] == [a for _, a in FIXED]
+    assert all(o.finish_reason == "stop" for o in outs)
+    # The checkpoint's default (threshold 0.9) decodes several tokens per denoise forward.
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens / sum(o.num_denoise_forwards for o in outs) >= 2.0
+
+
+def test_builtin_model_one_token_per_step(builtin):
+    params = SamplingParams(max_new_tokens=32, dllm={
+        "algorithm": "low_confidence_static", "steps_per_block": builtin.engine.block_size})
+    outs = builtin.chat([[{"role": "user", "content": q}] for q, _ in FIXED[:4]], params)
+    assert [o.text.strip() for o in outs] == [a for _, a in FIXED[:4]]
+
+
+def test_chat_command_uses_builtin_model(capsys):
+    assert cli_main(["chat", "What is 17+25?"]) == 0
+    assert capsys.readouterr().out.strip() == "42"
+
+
+def test_builtin_checkpoint_files():
+    d = BUILTIN_MODEL_DIR
+    assert (d / "model.safetensors").stat().st_size <= 16 * 2**20
+    config = json.loads((d / "config.json").read_text())
+    assert config["architectures"] == ["SDARForCausalLM"]
+    assert config["block_size"] in (4, 8)
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert gen["dllm"] == {"algorithm": "threshold", "threshold": 0.9}
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert tok.eos_token == "<|im_end|>" and gen["eos_token_id"][0] == tok.eos_token_id
+    assert tok.mask_token_id == config["mask_token_id"]
+    # Digits and letters are single tokens.
+    assert len(tok.encode("348+127 banana", add_special_tokens=False)) == 14
+
+
+def test_chat_template_matches_training_format():
+    train = load_train_script()
+    tok = AutoTokenizer.from_pretrained(str(BUILTIN_MODEL_DIR))
+    messages = [{"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "Reverse the word: cat"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == train.render_chat(messages, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_task_generator_is_deterministic():
+    for family in tasks.FAMILIES:
+        a = tasks.generate(family, 50, seed=7)
+        assert a == tasks.generate(family, 50, seed=7)
+        assert len(a) == 50 and all(isinstance(q, str) and isinstance(x, str) for q, x in a)
+    assert tasks.generate("add", 50, 7) != tasks.generate("add", 50, 8)
+    # Pinned values: the generator must not drift, or the eval would change under the model.
+    assert tasks.generate("add", 3, 0) == [
+        ("Calculate 87+592.", "679"), ("Add 2 and 0.", "2"), ("what is 53 plus 4?", "57")]
+    assert tasks.generate("sort", 1, 0) == [
+        ("Sort these words: cake, grey, pump", "cake, grey, pump")]
+    with pytest.raises(ValueError, match="unknown task family"):
+        tasks.generate("poetry", 1, 0)
+
+
+def test_task_answers_are_correct():
+    for q, a in tasks.generate("add", 200, 1):
+        x, y = map(int, re.findall(r"\d+", q))
+        assert a == str(x + y), q
+    for q, a in tasks.generate("sub", 200, 1):
+        x, y = map(int, re.findall(r"\d+", q))
+        assert a == str(y - x if "from" in q else x - y), q
+    for q, a in tasks.generate("compare", 200, 1):
+        x, y = map(int, re.findall(r"\d+", q))
+        larger = any(w in q.lower() for w in ("larg", "bigg", "great", "more", "max"))
+        assert a == str(max(x, y) if larger else min(x, y)), q
+    for q, a in tasks.generate("reverse", 100, 1):
+        assert a[::-1] in q
+    for q, a in tasks.generate("sort", 100, 1):
+        words = a.split(", ")
+        assert words == sorted(words) and 3 <= len(words) <= 5
+        assert all(w in q for w in words)
+    for q, a in tasks.generate("count", 100, 1):
+        words = [w for w in re.findall(r"[a-z]+", q.lower()) if w in tasks.WORDS]
+        letter = re.search(r"(?:letter |many )([a-z])(?:'s)? ", q) or re.search(
+            r"(?:letter|count the letter|does) ([a-z]) ", q.lower())
+        counts = {str(len(w)) for w in words}
+        if letter:
+            counts |= {str(w.count(letter.group(1))) for w in words}
+        assert a in counts, q
+
+
+def test_training_script_tiny_run_writes_loadable_checkpoint(tmp_path):
+    train = load_train_script()
+    out = tmp_path / "ckpt"
+    summary = train.main([
+        "--out", str(out), "--hidden-size", "32", "--layers", "1", "--heads", "2",
+        "--intermediate-size", "64", "--steps", "3", "--warmup", "2",
+        "--train-examples", "400", "--batch-tokens", "512", "--workers", "1",
+        "--eval-per-family", "1", "--seed", "3",
+    ])
+    assert summary["steps"] == 3 and summary["final_loss"] > 0
+    assert set(summary["metrics"]) == {"one_token_per_step", "threshold_0.9"}
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "generation_config.json"):
+        assert (out / name).is_file(), name
+    model, spec, config = load_model(out)
+    assert spec.name == "SDARForCausalLM" and config["block_size"] == 8
+    assert "model.layers.0.self_attn.q_norm.weight" in dict(model.named_parameters())
+    llm = LLM(str(out), max_running_requests=2)
+    got = llm.chat([{"role": "user", "content": "What is 1+1?"}],
+                   SamplingParams(max_new_tokens=8))[0]
+    assert got.error is None and len(got.token_ids) >= 1
