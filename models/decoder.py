@@ -53,6 +53,13 @@ class AttentionSpec:
         return self.num_kv_heads * self.head_dim
 
 
+def hf_lm_sizes(config: ModelConfig) -> dict[str, int | bool]:
+    """``DecoderLM`` size arguments under the HF key names."""
+    return dict(num_layers=config.get_int("num_hidden_layers"),
+                vocab_size=config.get_int("vocab_size"),
+                tie_word_embeddings=config.get_bool("tie_word_embeddings", False))
+
+
 def hf_attention_spec(config: ModelConfig, *, qkv_bias: bool, out_bias: bool,
                       qk_norm: bool) -> AttentionSpec:
     """Attention hyperparameters under the HF Llama/Qwen key names."""

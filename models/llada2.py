@@ -22,7 +22,7 @@ from torch import nn
 
 from dllm.models.attention import Attention
 from dllm.models.config import ModelConfig
-from dllm.models.decoder import AttentionSpec, DecoderLM
+from dllm.models.decoder import AttentionSpec, DecoderLM, hf_lm_sizes
 from dllm.models.layers import (
     RMSNorm,
     RopeSpec,
@@ -160,9 +160,7 @@ class LLaDA2MoeModelLM(DecoderLM):
 
         super().__init__(
             config, spec,
-            num_layers=config.get_int("num_hidden_layers"),
-            vocab_size=config.get_int("vocab_size"),
-            tie_word_embeddings=config.get_bool("tie_word_embeddings", False),
+            **hf_lm_sizes(config),
             make_attention=lambda i: FusedQKVAttention(spec, i),
             make_mlp=make_mlp,
         )

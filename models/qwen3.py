@@ -6,7 +6,7 @@ weight rules are the identity."""
 from __future__ import annotations
 
 from dllm.models.config import ModelConfig
-from dllm.models.decoder import DecoderLM, SelfAttention, hf_attention_spec
+from dllm.models.decoder import DecoderLM, SelfAttention, hf_attention_spec, hf_lm_sizes
 from dllm.models.layers import SwiGLUMLP, check_silu
 
 
@@ -24,9 +24,7 @@ class Qwen3ForCausalLM(DecoderLM):
         inter = config.get_int("intermediate_size")
         super().__init__(
             config, spec,
-            num_layers=config.get_int("num_hidden_layers"),
-            vocab_size=config.get_int("vocab_size"),
-            tie_word_embeddings=config.get_bool("tie_word_embeddings", False),
+            **hf_lm_sizes(config),
             make_attention=lambda i: SelfAttention(spec, i),
             make_mlp=lambda i: SwiGLUMLP(spec.hidden_size, inter),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from dllm.models.config import ModelConfig
-from dllm.models.decoder import DecoderLM, SelfAttention, hf_attention_spec
+from dllm.models.decoder import DecoderLM, SelfAttention, hf_attention_spec, hf_lm_sizes
 from dllm.models.layers import SwiGLUMLP, check_silu
 from dllm.models.moe import SoftmaxMoE
 from dllm.models.qwen3 import reject_sliding_window
@@ -45,9 +45,7 @@ class SDARMoeForCausalLM(DecoderLM):
 
         super().__init__(
             config, spec,
-            num_layers=config.get_int("num_hidden_layers"),
-            vocab_size=config.get_int("vocab_size"),
-            tie_word_embeddings=config.get_bool("tie_word_embeddings", False),
+            **hf_lm_sizes(config),
             make_attention=lambda i: SelfAttention(spec, i),
             make_mlp=make_mlp,
         )

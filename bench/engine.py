@@ -1,0 +1,89 @@
+"""Offline engine benchmark for any checkpoint, batch size and algorithm (CPU or GPU):
+requests/s, output tokens/s, tokens per forward and forwards per block.
+
+    python -m dllm.testing SDARForCausalLM /tmp/tiny-sdar
+    python bench/engine.py --model /tmp/tiny-sdar --batch-size 1,16 --algorithm threshold
+
+Every request gets the same prompt length and ``max_new_tokens`` with ``ignore_eos``; the
+``--batch-size`` requests are submitted at once and run to completion (continuous batching
+with ``max_running_requests`` = batch size). Prints a table and writes
+``bench/results/engine-*.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def run(model: str | None, bs: int, algorithm: str, config: dict, prompt_len: int,
+        max_new: int, device: str, seed: int) -> dict:
+    from dllm import LLM, SamplingParams
+
+    llm = LLM(model, max_running_requests=bs, device=device, algorithm=algorithm,
+              algorithm_config=config, seed=seed)
+    vocab = llm.engine.info.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(bs)]
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    denoise = sum(o.num_denoise_forwards for o in outs)
+    blocks = sum(o.num_blocks for o in outs)
+    return {"batch": bs, "algorithm": algorithm, "config": config, "seconds": dt,
+            "requests_per_s": bs / dt, "output_tok_s": tokens / dt,
+            "tokens_per_forward": tokens / max(sum(o.num_forward_passes for o in outs), 1),
+            "tokens_per_denoise_forward": tokens / max(denoise, 1),
+            "forwards_per_block": sum(o.num_forward_passes for o in outs) / max(blocks, 1),
+            "engine_steps": llm.engine.step_count}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| batch | algorithm | requests/s | output tok/s | tokens/forward | "
+            "tokens/denoise forward | forwards/block |\n|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['batch']} | {r['algorithm']} {json.dumps(r['config'])} | "
+        f"{r['requests_per_s']:.2f} | {r['output_tok_s']:.1f} | {r['tokens_per_forward']:.2f} | "
+        f"{r['tokens_per_denoise_forward']:.2f} | {r['forwards_per_block']:.2f} |\n"
+        for r in rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
+    ap.add_argument("--batch-size", default="1,16", help="comma-separated batch sizes")
+    ap.add_argument("--algorithm", default="threshold")
+    ap.add_argument("--algorithm-config", type=json.loads, default={})
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    rows = [run(args.model, int(bs), args.algorithm, args.algorithm_config, args.prompt_len,
+                args.max_new_tokens, args.device, args.seed)
+            for bs in args.batch_size.split(",")]
+    text = table(rows)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    meta = {"model": args.model or "built-in", "prompt_len": args.prompt_len,
+            "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+            "device": args.device, "threads": torch.get_num_threads()}
+    (out / f"engine-{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"engine-{stamp}.md").write_text(f"# Engine benchmark {stamp}\n\n{json.dumps(meta)}\n\n"
+                                            f"{text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
