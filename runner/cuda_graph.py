@@ -83,6 +83,7 @@ class CudaGraphRunner(Runner):
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[ForwardMode, int, str, tuple[bool, bool]], _Graph] = {}
         self._loaded: _Graph | None = None
+        self.last_replayed: _Graph | None = None  # for profiling (bench/offline.py)
 
     # ---- Runner interface ------------------------------------------------------------
     def can_run(self, batch: ScheduledBatch) -> bool:
@@ -107,6 +108,7 @@ class CudaGraphRunner(Runner):
         """Replay the graph ``load_batch`` chose (its inputs are in place and planned)."""
         g, self._loaded = self._loaded, None
         g.graph.replay()
+        self.last_replayed = g
         return _detach(g.output)
 
     # ---- capture ---------------------------------------------------------------------
