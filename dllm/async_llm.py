@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dllm.config import EngineConfig
-from dllm.engine import Engine, Prompt
-from dllm.outputs import RequestOutput, StreamChunk
+from dllm.engine import Engine, Prompt, embed_inputs
+from dllm.outputs import EmbeddingOutput, RequestOutput, StreamChunk
 from dllm.request import FinishReason, Req
 from dllm.sampling_params import SamplingParams
 
@@ -84,6 +84,31 @@ class AsyncLLM:
             last = chunk
         return last.output
 
+    async def embed(self, texts: str | list[int] | Sequence[str | list[int]],
+                    dimensions: int | None = None, normalize: bool | None = None
+                    ) -> list[EmbeddingOutput]:
+        """Pooled embeddings, one per text, as ``LLM.embed`` (``task="embed"`` engines). Bad
+        input is a ``ValueError`` before anything runs; cancelling aborts what is unfinished."""
+        batch = embed_inputs(texts)
+        reqs = await asyncio.to_thread(self._make_embed_requests, batch, dimensions, normalize)
+        runs = [asyncio.ensure_future(self.generate(req)) for req in reqs]
+        try:
+            for run in runs:
+                await run
+        finally:
+            for run in runs:
+                run.cancel()  # a cancelled run aborts its request (``generate_stream``)
+            await asyncio.gather(*runs, return_exceptions=True)
+        return [self.engine.embedding_of(req) for req in reqs]
+
+    def _make_embed_requests(self, batch: list[str | list[int]], dimensions: int | None,
+                             normalize: bool | None) -> list[Req]:
+        reqs = []
+        for text in batch:
+            with self._engine_lock:
+                reqs.append(self.engine.make_embed_request(text, dimensions, normalize))
+        return reqs
+
     def abort(self, rid: str) -> None:
         self._post("abort", rid)
 
@@ -152,7 +177,14 @@ class AsyncLLM:
         return reqs
 
     def _fail(self, stream: _Stream, exc: BaseException) -> None:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+        self._send(stream, exc)
+
+    @staticmethod
+    def _send(stream: _Stream, item: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
 
     def _emit(self, req: Req) -> None:
         stream = self._streams.get(req.rid)
@@ -162,7 +194,7 @@ class AsyncLLM:
         if chunk.finished:
             self._streams.pop(req.rid, None)
         if chunk.finished or chunk.delta_text or chunk.delta_token_ids:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+            self._send(stream, chunk)
 
     def _chunk(self, stream: _Stream) -> StreamChunk:
         req = stream.req

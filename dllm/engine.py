@@ -52,6 +52,13 @@ FAMILY_ALGORITHM_CONFIG: dict[str, dict[str, Any]] = {
 }
 
 
+def embed_inputs(texts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
+    """One text or list of token ids -> a batch of one; a list of them -> the list."""
+    single = isinstance(texts, str) or (isinstance(texts, list) and bool(texts)
+                                        and isinstance(texts[0], int))
+    return [texts] if single else list(texts)
+
+
 class Engine:
     """Owns the model, the memory pools, the scheduler and the runner. Single-threaded:
     ``AsyncLLM`` drives it from one background thread."""

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from dllm.config import EngineConfig
-from dllm.engine import Engine, Prompt
+from dllm.engine import Engine, Prompt, embed_inputs
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.sampling_params import SamplingParams
 
@@ -58,8 +58,7 @@ class LLM:
         """Pooled embeddings, one per text (``task="embed"`` engines). ``dimensions``
         truncates (Matryoshka) before normalisation; ``normalize`` overrides the checkpoint's
         Normalize module."""
-        batch = [texts] if isinstance(texts, str) or (
-            isinstance(texts, list) and texts and isinstance(texts[0], int)) else list(texts)
+        batch = embed_inputs(texts)
         reqs = [self.engine.make_embed_request(t, dimensions, normalize) for t in batch]
         self._run(reqs, use_tqdm, "embed")
         return [self.engine.embedding_of(r) for r in reqs]

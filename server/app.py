@@ -140,6 +140,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = parse_json_object(await request.body())
         return await _answer(request, state.openai.chat(body, _request_id(request)))
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        state.ready()
+        body = parse_json_object(await request.body())
+        return await _answer(request, state.openai.embeddings(body))
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         state.ready()

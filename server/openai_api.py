@@ -3,21 +3,26 @@ a completion / chat.completion object (or an async iterator of chunk objects) ou
 
 A request with several prompts (``prompt: [..]``) runs them together; each is a choice.
 Streaming yields one chunk per committed block of any choice (the chunk's ``index`` says
-which), and with ``stream_options.include_usage`` a last chunk with the usage."""
+which), and with ``stream_options.include_usage`` a last chunk with the usage.
+``/v1/embeddings`` needs an engine started with ``task="embed"``."""
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from dllm.engine import embed_inputs
 from dllm.outputs import RequestOutput
 from dllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    EmbeddingRequest,
     SamplingFields,
     bad_request,
     reject_unsupported,
@@ -59,6 +64,32 @@ class OpenAIServing:
         if req.stream:
             return self._stream(group, "chat.completion.chunk", 1, req.include_usage)
         return self._full(await collect(group, 1), gid, "chat.completion")
+
+    # ---- /v1/embeddings ------------------------------------------------------------------
+    async def embeddings(self, body: dict[str, Any]) -> Chunk:
+        req: EmbeddingRequest = validate(EmbeddingRequest, body)
+        self.serving.check_model(req.model)
+        if self.serving.task != "embed":
+            raise bad_request(f"the model {self.serving.model_name!r} is served for text "
+                              "generation, not embeddings; start the server with --task embed "
+                              "(a sentence-transformers checkpoint is detected by itself)")
+        inputs = embed_inputs(req.input)
+        if not inputs:
+            raise bad_request("input must not be empty", "input")
+        try:
+            outs = await self.serving.llm.embed(inputs, req.dimensions)
+        except ValueError as exc:
+            param = "dimensions" if str(exc).startswith("dimensions") else "input"
+            raise bad_request(str(exc), param) from None
+        except RuntimeError as exc:  # the request failed in the engine, or it shut down
+            raise APIError(500, f"embedding failed: {exc}", "server_error", None,
+                           "internal_error") from None
+        n = sum(o.prompt_tokens for o in outs)
+        return {"object": "list", "data": [
+            {"object": "embedding", "index": i,
+             "embedding": encode_embedding(o.embedding, req.encoding_format)}
+            for i, o in enumerate(outs)],
+            "model": self.serving.model_name, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     # ---- one batch line (``dllm generate``) ----------------------------------------------
     async def handle(self, url: str, body: dict[str, Any]) -> tuple[int, str, Chunk]:
@@ -165,6 +196,13 @@ def usage(outs: list[RequestOutput]) -> Chunk:
     completion = sum(o.completion_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """The vector as floats, or as base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
 
 
 def completion_prompts(prompt: str | list) -> list:

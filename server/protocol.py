@@ -8,7 +8,7 @@ are refused with a 400 by ``reject_unsupported``."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -148,6 +148,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(_Model):
+    """``/v1/embeddings``: ``dimensions`` truncates (Matryoshka) before normalisation;
+    ``base64`` is the little-endian float32 bytes of each vector."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
 
 
 class NativeSamplingParams(_Model):

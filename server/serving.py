@@ -38,6 +38,7 @@ class Serving:
         self.llm = llm
         self.model_path: str = engine.info.path
         self.model_name = model_name or default_model_name(self.model_path)
+        self.task: str = engine.task  # "generate" or "embed"
         self.context_length: int = engine.context_length
         self.metrics = metrics
         self.created = int(time.time())
@@ -72,6 +73,9 @@ class Serving:
                    explicit_max: bool, max_name: str = "max_tokens") -> list[Req]:
         """Validate every prompt into an engine request (rid ``gid``, or ``gid-i`` for a list
         of prompts) and reserve ``gid`` for ``abort``. Raises ``APIError`` (400)."""
+        if self.task != "generate":
+            raise bad_request(f"the model {self.model_name!r} is served for embeddings "
+                              "(task 'embed'); use /v1/embeddings")
         if not prompts:
             raise bad_request("prompt must not be empty", "prompt")
         if gid in self._groups:
