@@ -102,7 +102,7 @@ class SelfAttention(nn.Module):
         if self.spec.qk_norm:
             q = head_rms_norm(self.q_norm, q, self.spec.head_dim)
             k = head_rms_norm(self.k_norm, k, self.spec.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, forward_batch.memo)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 

@@ -23,10 +23,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # ``F.rms_norm`` is x * rsqrt(mean(x²) + eps): one fused kernel where torch has one,
+        # instead of five elementwise/reduction kernels.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,16 +132,25 @@ class RotaryEmbedding(nn.Module):
         x_rot, x_pass = x[..., :rot], x[..., rot:]
         if self.spec.full_precision:
             out = (x_rot.float() * cos + rotate_half(x_rot.float()) * sin).to(x.dtype)
-        else:
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        else:  # cos/sin arrive in the activation dtype (``forward``)
             out = x_rot * cos + rotate_half(x_rot) * sin
         if x_pass.shape[-1]:
             out = torch.cat((out, x_pass), dim=-1)
         return out.reshape(t, x.shape[1] * d)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``memo`` (the forward batch's per-forward memo) shares cos/sin between the layers
+        of one forward: every layer rotates the same positions with the same spec."""
+        key = ("rope_cos_sin", self.spec, q.dtype)
+        if memo is not None and key in memo:
+            cos, sin = memo[key]
+        else:
+            cos, sin = self.cos_sin(positions)
+            if not self.spec.full_precision:
+                cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            if memo is not None:
+                memo[key] = (cos, sin)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 

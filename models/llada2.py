@@ -58,7 +58,7 @@ class FusedQKVAttention(nn.Module):
         if s.qk_norm:
             q = head_rms_norm(self.query_layernorm, q, s.head_dim)
             k = head_rms_norm(self.key_layernorm, k, s.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, forward_batch.memo)
         return self.dense(self.attn(q, k, v, forward_batch))
 
 

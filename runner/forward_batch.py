@@ -80,6 +80,9 @@ class ForwardBatch:
     # Post-step inputs copied from ScheduledBatch.row_inputs/token_inputs/row_tensors.
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     row_groups: list[str] = field(default_factory=list)
+    # Values the layers of one forward share (RoPE cos/sin), computed by the first layer
+    # that needs them; cleared before every model call (so a graph capture recomputes them).
+    memo: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -63,6 +63,7 @@ class ModelRunner:
     def run_model(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states ``[T, H]`` and the logits the batch asks for."""
         fb.attn_backend.prepare(fb)
+        fb.memo.clear()
         hidden = self.model(fb.input_ids, fb.positions, fb)
         if fb.logits_mode is LogitsMode.NONE:
             return hidden, None
