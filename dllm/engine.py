@@ -26,6 +26,7 @@ from dllm.full_diffusion import (
     resolve_request,
 )
 from dllm.memory import ReqToTokenPool, TokenToKVPool
+from dllm.models.decoder import fuse_projections
 from dllm.models.loader import load_model
 from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
@@ -77,6 +78,7 @@ class Engine:
         self.model, _, _ = load_model(path, dtype=self.dtype, device=self.device,
                                       load_format=cfg.load_format, seed=cfg.seed)
         self.model.eval()
+        fuse_projections(self.model)  # q/k/v and gate/up as one GEMM each
         diffusion = self.task == "generate" and self.info.spec.is_diffusion
         spec = self.info.spec
         full = self.full_attention = diffusion and spec.kind == "full_diffusion"

@@ -22,7 +22,9 @@ from dllm.models.layers import (
     RMSNorm,
     RopeSpec,
     RotaryEmbedding,
+    SwiGLUMLP,
     VocabEmbedding,
+    fuse_linears,
     head_rms_norm,
 )
 from dllm.models.moe import StackedExperts
@@ -51,6 +53,18 @@ class AttentionSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up projections of every layer that can (fewer, larger GEMMs).
+    Done after the weights are loaded; the checkpoint names are unaffected. Returns how many
+    modules were fused."""
+    fusable = [m for m in model.modules() if isinstance(m, (SelfAttention, SwiGLUMLP))
+               and getattr(m, "qkv_proj", None) is None
+               and getattr(m, "gate_up_proj", None) is None]
+    for m in fusable:
+        m.fuse()
+    return len(fusable)
 
 
 def hf_lm_sizes(config: ModelConfig) -> dict[str, int | bool]:
@@ -95,10 +109,20 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope)
         self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """After loading: one ``qkv_proj`` GEMM instead of three."""
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] ×2
+        if self.qkv_proj is not None:  # [T, H*D], [T, Hkv*D] ×2
+            s = self.spec
+            q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.spec.qk_norm:
             q = head_rms_norm(self.q_norm, q, self.spec.head_dim)
             k = head_rms_norm(self.k_norm, k, self.spec.head_dim)

@@ -171,16 +171,37 @@ def check_silu(config: ModelConfig, key: str = "hidden_act") -> None:
         raise NotImplementedError(f"activation {act!r} is not supported (only SwiGLU/SiLU)")
 
 
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the concatenation of ``linears``' outputs (their
+    weights stacked along the output axis), on the same device and dtype."""
+    w = torch.cat([m.weight for m in linears], dim=0)
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
+    return fused
+
+
 class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with the HF names ``gate_proj``/``up_proj``/``down_proj``."""
+    """``down(silu(gate(x)) * up(x))`` with the HF names ``gate_proj``/``up_proj``/``down_proj``.
+    After loading, ``fuse()`` may replace gate and up by one ``gate_up_proj`` GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -207,3 +207,24 @@ def test_registry_values() -> None:
 def test_registry_rejects_unknown_with_the_list() -> None:
     with pytest.raises(ValueError, match=r"'Foo'.*DreamModel.*SDARMoeForCausalLM"):
         get_architecture("Foo")
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "SDARMoeForCausalLM",
+                                  "LLaDAModelLM", "LLaDA2MoeModelLM"])
+def test_fused_projections_equal_unfused(tmp_path, arch):
+    """``fuse_projections`` (one q/k/v GEMM, one gate/up GEMM) changes no logit."""
+    from dllm.models.decoder import fuse_projections
+    from dllm.models.loader import load_model
+    from dllm.runner.forward_batch import AttentionMask
+    from dllm.testing import make_tiny_checkpoint
+    from dllm.testing.harness import forward_full
+
+    path = make_tiny_checkpoint(arch, tmp_path, seed=3)
+    model, _, _ = load_model(path)
+    ids = list(range(5, 40))
+    want = forward_full(model, ids, AttentionMask.CAUSAL)
+    assert fuse_projections(model) > 0
+    names = {n for n, _ in model.named_parameters()}
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
+    got = forward_full(model, ids, AttentionMask.CAUSAL)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
