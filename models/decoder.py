@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.attention import Attention, KVCacheSpec
@@ -112,17 +113,36 @@ class SelfAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
-        """After loading: one ``qkv_proj`` GEMM instead of three."""
+        """After loading: one ``qkv_proj`` GEMM instead of three, and q and k heads normed
+        and rotated together (one kernel chain instead of two)."""
+        s = self.spec
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
+        if s.qk_norm:  # per-head weights of the q heads, then of the k heads: [H+Hkv, D]
+            weight = torch.cat([self.q_norm.weight.expand(s.num_heads, -1),
+                                self.k_norm.weight.expand(s.num_kv_heads, -1)])
+            self.qk_norm_weight = nn.Parameter(weight, requires_grad=False)
+            del self.q_norm, self.k_norm
+
+    def _forward_fused(self, positions: torch.Tensor, x: torch.Tensor,
+                       forward_batch: ForwardBatch) -> torch.Tensor:
+        s = self.spec
+        t, n = x.shape[0], s.num_heads + s.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        qk, v = qkv[:, : s.q_size + s.kv_size], qkv[:, s.q_size + s.kv_size :]
+        if s.qk_norm:  # the same float32 statistics as RMSNorm, per head
+            normed = F.rms_norm(qk.view(t, n, s.head_dim).float(), (s.head_dim,),
+                                eps=s.norm_eps)
+            qk = (self.qk_norm_weight * normed.to(x.dtype)).view(t, n * s.head_dim)
+        qk = self.rotary_emb.rotate(positions, qk, forward_batch.memo)  # [T, (H + Hkv) * D]
+        q, k = qk[:, : s.q_size], qk[:, s.q_size :]
+        return self.o_proj(self.attn(q, k, v, forward_batch))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        if self.qkv_proj is not None:  # [T, H*D], [T, Hkv*D] ×2
-            s = self.spec
-            q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is not None:
+            return self._forward_fused(positions, x, forward_batch)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] ×2
         if self.spec.qk_norm:
             q = head_rms_norm(self.q_norm, q, self.spec.head_dim)
             k = head_rms_norm(self.k_norm, k, self.spec.head_dim)

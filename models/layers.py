@@ -138,19 +138,28 @@ class RotaryEmbedding(nn.Module):
             out = torch.cat((out, x_pass), dim=-1)
         return out.reshape(t, x.shape[1] * d)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                 memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``memo`` (the forward batch's per-forward memo) shares cos/sin between the layers
         of one forward: every layer rotates the same positions with the same spec."""
-        key = ("rope_cos_sin", self.spec, q.dtype)
+        key = ("rope_cos_sin", self.spec, dtype)
         if memo is not None and key in memo:
-            cos, sin = memo[key]
-        else:
-            cos, sin = self.cos_sin(positions)
-            if not self.spec.full_precision:
-                cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-            if memo is not None:
-                memo[key] = (cos, sin)
+            return memo[key]
+        cos, sin = self.cos_sin(positions)
+        if not self.spec.full_precision:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        if memo is not None:
+            memo[key] = (cos, sin)
+        return cos, sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor,
+               memo: dict | None = None) -> torch.Tensor:
+        """RoPE on every head of ``x`` ``[T, N*D]`` (q and k heads side by side, say)."""
+        return self._rotate(x, *self._cos_sin(positions, x.dtype, memo))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._cos_sin(positions, q.dtype, memo)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
