@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from dllm import LLM, AsyncLLM, SamplingParams
 from dllm.testing import make_tiny_checkpoint
+from dllm.testing.harness import run_staggered
 
 ARCHS = ["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"]
 LENGTHS = [1, 4, 9, 17]
@@ -53,12 +54,7 @@ def test_chunked_prefill_and_staggered_arrivals(ar):
     e = llm.engine
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     reqs = [e.make_request(prompt_of(n), params) for n in (17, 3, 9)]
-    pending = list(reqs)
-    while any(not r.finished for r in reqs):
-        if pending:
-            e.add_request(pending.pop(0))
-        e.step()
-    assert [e.output_of(r).token_ids for r in reqs] == [hf_greedy(hf, prompt_of(n), 6)
+    assert run_staggered(e, reqs) == [hf_greedy(hf, prompt_of(n), 6)
                                                          for n in (17, 3, 9)]
     e.check_memory()
 

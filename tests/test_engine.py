@@ -8,6 +8,7 @@ import torch
 from dllm import LLM, SamplingParams
 from dllm.request import FinishReason
 from dllm.runner.forward_batch import ForwardMode
+from dllm.testing.harness import run_staggered
 from tests.naive_reference import naive_block_diffusion
 
 B = 4  # SDAR's block size
@@ -128,12 +129,7 @@ def test_batch_invariance_with_staggered_arrivals(llm):
     prompts = [prompt_of(n, salt=1) for n in lengths]
     alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    pending = list(reqs)
-    while any(not r.finished for r in reqs):
-        if pending:  # one new arrival per engine step
-            e.add_request(pending.pop(0))
-        e.step()
-    assert [e.output_of(r).token_ids for r in reqs] == alone
+    assert run_staggered(e, reqs) == alone
     e.check_memory()
 
 

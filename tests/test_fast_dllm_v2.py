@@ -10,7 +10,7 @@ import torch
 from dllm import LLM, SamplingParams
 from dllm.runner.forward_batch import AttentionMask
 from dllm.testing import make_tiny_checkpoint
-from dllm.testing.harness import forward_full
+from dllm.testing.harness import forward_full, run_staggered
 from tests.naive_reference import naive_fast_dllm_v2
 
 B = 8  # bd_size of the tiny checkpoint (the released model's is 32)
@@ -146,11 +146,6 @@ def test_batch_invariance_with_staggered_arrivals(llm):
     prompts = [prompt_of(n, salt=2) for n in lengths]
     alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    pending = list(reqs)
-    while any(not r.finished for r in reqs):
-        if pending:
-            e.add_request(pending.pop(0))
-        e.step()
-    assert [e.output_of(r).token_ids for r in reqs] == alone
+    assert run_staggered(e, reqs) == alone
     e.check_memory()
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages

@@ -9,6 +9,7 @@ import torch
 from dllm import LLM, SamplingParams
 from dllm.request import FinishReason
 from dllm.testing import make_tiny_checkpoint
+from dllm.testing.harness import run_staggered
 from tests.naive_reference import naive_full_diffusion
 
 ARCHS = {"llada": "LLaDAModelLM", "llada_moe": "LLaDAMoEModelLM", "dream": "DreamModel"}
@@ -178,12 +179,7 @@ def test_batch_invariance_with_staggered_arrivals(engines, family):
     prompts = [prompt_of(n, salt=1) for n in (1, 3, 5, 9, 4, 7)]
     alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    pending = list(reqs)
-    while any(not r.finished for r in reqs):
-        if pending:
-            e.add_request(pending.pop(0))
-        e.step()
-    assert [e.output_of(r).token_ids for r in reqs] == alone
+    assert run_staggered(e, reqs) == alone
     e.check_memory()
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
 

@@ -108,3 +108,14 @@ class CachedSequence:
         if advance:
             self.length += n
         return logits
+
+
+def run_staggered(engine, reqs: list) -> list[list[int]]:
+    """Run ``reqs`` on ``engine`` with one new arrival per engine step (continuous batching
+    with requests joining mid-flight); the generated token ids of each, in order."""
+    pending = list(reqs)
+    while any(not r.finished for r in reqs):
+        if pending:
+            engine.add_request(pending.pop(0))
+        engine.step()
+    return [engine.output_of(r).token_ids for r in reqs]
