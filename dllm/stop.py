@@ -60,9 +60,8 @@ class StopChecker:
                 best = (at, s)
         if best is None:
             return None
-        end = best[0] + len(best[1])
-        for k in range(1, len(new) + 1):
-            if len(self.decode(prev + new[:k])) >= end and best[1] in self.decode(prev + new[:k])[horizon:]:
+        for k in range(1, len(new) + 1):  # the first prefix of the block that completes it
+            if best[1] in self.decode(prev + new[:k])[horizon:]:
                 return k, best[1]
         return len(new), best[1]
 

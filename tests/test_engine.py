@@ -267,3 +267,44 @@ def test_num_forward_passes_and_token_ids(llm):
     assert out.num_forward_passes == 1 + 4 + 1 + 4
     assert out.num_denoise_forwards == 8
     assert len(out.token_ids) == 8
+
+
+@pytest.mark.parametrize("start", [2, 7, 12])
+def test_stop_string_cuts_text_and_tokens(llm, start):
+    """A stop string found in a committed block ends the output: text cut before it, token
+    ids cut after the token that completed it."""
+    prompt = prompt_of(6, salt=4)
+    free = llm.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    stop = free.text[start : start + 3]
+    at = free.text.find(stop)
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                              stop=[stop]))[0]
+    decode = llm.engine.scheduler.stop_checker.decode
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:at]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
+    assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])
+    llm.engine.check_memory()
+
+
+def test_stop_string_spanning_two_blocks(llm):
+    """A stop string whose first characters end one block and whose last characters start
+    the next is found when the second block commits; the first block was already streamed
+    whole, the output is still cut before the string."""
+    decode = llm.engine.scheduler.stop_checker.decode
+    for salt in range(30):  # find a prompt whose output has such a string, deterministically
+        prompt = prompt_of(6, salt=salt)
+        free = llm.generate(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+        ids = free.token_ids
+        k = B - 6 % B  # generated tokens in the first block
+        cut = len(decode(ids[:k]))
+        stop = free.text[cut - 1 : cut + 2]
+        if len(stop) == 3 and free.text.find(stop) == cut - 1 and "\ufffd" not in stop:
+            break
+    else:
+        pytest.fail("no prompt gave a block-spanning stop string")
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True,
+                                              stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[: cut - 1]
+    assert len(out.token_ids) > k and out.token_ids == ids[: len(out.token_ids)]
