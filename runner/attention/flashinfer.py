@@ -18,42 +18,15 @@ built on the host, so planning reads nothing back from the GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import flashinfer
 import torch
 
 from dllm.runner.attention.base import AttentionBackend, AttentionLayer
 from dllm.runner.attention.mask import visibility
+from dllm.runner.attention.page_table import build_page_table
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 * 2**20
-
-
-@dataclass
-class PageTable:
-    qo_indptr: torch.Tensor  # [bs+1] int32, host
-    kv_indptr: torch.Tensor  # [bs+1] int32, host
-    kv_indices: torch.Tensor  # [num_pages] int32, device
-    kv_last_page_len: torch.Tensor  # [bs] int32, host
-
-
-def build_page_table(fb: ForwardBatch, page_size: int) -> PageTable:
-    device = fb.input_ids.device
-    ext, seq = fb.extend_lens_cpu, fb.seq_lens_cpu
-    pages = [-(-s // page_size) for s in seq]
-    qo = torch.zeros(len(ext) + 1, dtype=torch.int32)
-    qo[1:] = torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0)
-    kv = torch.zeros(len(seq) + 1, dtype=torch.int32)
-    kv[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
-    # Row i, page j -> the slot of token j*page_size of row i -> its page.
-    rows = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor(pages))
-    cols = torch.cat([torch.arange(n) * page_size for n in pages]) if pages else rows
-    req_rows = fb.req_pool_indices[rows.to(device)]
-    indices = (fb.req_to_token[req_rows, cols.to(device)] // page_size).to(torch.int32)
-    last = torch.tensor([s - (n - 1) * page_size for s, n in zip(seq, pages, strict=True)],
-                        dtype=torch.int32)
-    return PageTable(qo, kv, indices, last)
 
 
 def block_causal_mask(fb: ForwardBatch) -> torch.Tensor:
