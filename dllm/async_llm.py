@@ -9,7 +9,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dllm.config import EngineConfig
@@ -28,7 +28,7 @@ class _Stream:
     queue: asyncio.Queue
     sent_text: str = ""
     sent_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    rejected: bool = False  # never entered the engine: leaving must not abort its rid
 
 
 class AsyncLLM:
@@ -59,8 +59,8 @@ class AsyncLLM:
                               rid: str | None = None) -> AsyncIterator[StreamChunk]:
         """Yield one chunk per committed block; the last has ``finished=True``. Leaving the
         iteration early (client gone) aborts the request and frees its memory."""
-        req = prompt if isinstance(prompt, Req) else self.make_request(
-            prompt, sampling_params, rid)
+        req = prompt if isinstance(prompt, Req) else await asyncio.to_thread(
+            self.make_request, prompt, sampling_params, rid)  # the engine lock, off the loop
         stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue())
         self._post("add", stream)
         finished = False
@@ -74,7 +74,7 @@ class AsyncLLM:
                     finished = True
                     return
         finally:
-            if not finished:
+            if not finished and not stream.rejected:
                 self.abort(req.rid)
 
     async def generate(self, prompt: Prompt | Req, sampling_params: SamplingParams | None = None,
@@ -158,12 +158,16 @@ class AsyncLLM:
     def _handle(self, kind: str, item: Any) -> None:
         if kind == "add":
             stream: _Stream = item
-            self._streams[stream.req.rid] = stream
+            rid = stream.req.rid
             try:
+                if rid in self._streams:  # the running request keeps its stream
+                    raise ValueError(f"request id {rid!r} is already in use")
                 self.engine.add_request(stream.req)
             except ValueError as exc:
-                self._streams.pop(stream.req.rid, None)
+                stream.rejected = True
                 self._fail(stream, exc)
+                return
+            self._streams[rid] = stream
         elif kind == "abort":
             req = self.engine.abort(item)
             if req is not None:

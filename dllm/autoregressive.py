@@ -87,16 +87,14 @@ class AutoregressiveScheduler(Scheduler):
 
     def apply_tokens(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         tokens = output.tolist()  # the one host read of the step
-        changed = []
-        for i, rid in enumerate(batch.rids):
-            req = self.running.get(rid)
-            if req is None:
-                continue
+
+        def apply_row(i: int, req: Req) -> bool:
             req.num_forward_passes += 1
             if batch.mode is ForwardMode.EXTEND:
                 req.prefilled_len += batch.extend_lens[i]
                 if req.needs_prefill:
-                    continue  # a middle chunk: its logits are not used
+                    return False  # a middle chunk: its logits are not used
             self.commit_tokens(req, [tokens[i]])
-            changed.append(req)
-        return changed
+            return True
+
+        return self.apply_rows(batch, apply_row)

@@ -63,17 +63,16 @@ class BlockDiffusionScheduler(Scheduler):
 
     def apply_prefill(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         first = output.tolist() if batch.logits_mode is LogitsMode.LAST else None
-        changed = []
-        for i, (rid, n) in enumerate(zip(batch.rids, batch.extend_lens, strict=True)):
-            req = self.running.get(rid)
-            if req is None:
-                continue
-            req.prefilled_len += n
+
+        def apply_row(i: int, req: Req) -> bool:
+            req.prefilled_len += batch.extend_lens[i]
             req.num_forward_passes += 1
             if first is not None and req.prefilled_len == req.prompt_len:
                 self.commit_tokens(req, [first[i]])
-                changed.append(req)
-        return changed
+                return True
+            return False
+
+        return self.apply_rows(batch, apply_row)
 
     # ---- denoise -----------------------------------------------------------------------
     def _start_block(self, req: Req) -> None:
@@ -120,20 +119,19 @@ class BlockDiffusionScheduler(Scheduler):
     def apply_denoise(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         """Apply one step's result; returns the requests that committed a block or finished."""
         result = DenoisePost.read(output)
-        changed = []
-        for r, rid in enumerate(batch.rids):
-            req = self.running.get(rid)
-            if req is None or req.block is None:
-                continue
-            req.num_forward_passes += 1
+
+        def apply_row(r: int, req: Req) -> bool:
             blk = req.block
+            if blk is None:
+                return False
+            req.num_forward_passes += 1
             if blk.resolved:  # this was the commit forward: its KV now counts
                 req.num_commit_forwards += 1
                 req.block = None
                 if self.logits_shift:
                     self.commit_tokens(req, [result.next_token[r]])
-                    changed.append(req)
-                continue
+                    return True
+                return False
             req.num_denoise_forwards += 1
             blk.step += 1
             blk.tokens = result.tokens[r]
@@ -141,8 +139,10 @@ class BlockDiffusionScheduler(Scheduler):
             blk.algo_state = result.state[r]
             if result.done[r]:
                 self._resolve(req)
-                changed.append(req)
-        return changed
+                return True
+            return False
+
+        return self.apply_rows(batch, apply_row)
 
     def _resolve(self, req: Req) -> None:
         """The block has no masks left: its tokens are final, so the output is decided now.

@@ -49,11 +49,8 @@ class EmbeddingScheduler(Scheduler):
 
     def apply(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         sums, first, last = output
-        changed = []
-        for i, rid in enumerate(batch.rids):
-            req = self.running.get(rid)
-            if req is None:
-                continue
+
+        def apply_row(i: int, req: Req) -> bool:
             req.num_forward_passes += 1
             st = req.pool_state
             if batch.prefix_lens[i] == 0:
@@ -63,7 +60,7 @@ class EmbeddingScheduler(Scheduler):
             st["last"] = last[i]
             req.prefilled_len += batch.extend_lens[i]
             if req.needs_prefill:
-                continue
+                return False
             pooled = {PoolingType.LAST: st["last"], PoolingType.CLS: st["first"],
                       PoolingType.MEAN: st["sum"] / req.prompt_len}[self.pooling.pooling]
             normalize = (self.pooling.normalize if req.embed_normalize is None
@@ -71,5 +68,6 @@ class EmbeddingScheduler(Scheduler):
             req.embedding = finish_embedding(pooled, normalize, req.embed_dimensions).tolist()
             req.pool_state = {}
             self.finish(req, FinishReason.STOP)
-            changed.append(req)
-        return changed
+            return True
+
+        return self.apply_rows(batch, apply_row)

@@ -280,6 +280,14 @@ class Engine:
             raise ValueError(f"dllm.cache_mode applies to full-attention models; {arch} "
                              "reuses its KV exactly")
 
+    def max_new_tokens_room(self, prompt: Prompt) -> int:
+        """The largest ``max_new_tokens`` this prompt could be given: within the context
+        length and within the KV pool (reservations round up to a block)."""
+        n = len(self.tokenize(prompt))
+        pool = min(self.kv_pool.num_usable_pages * self.kv_pool.page_size,
+                   self.req_pool.max_context)
+        return min(self.context_length - n, pool // self.block_size * self.block_size - n)
+
     def make_embed_request(self, text: str | list[int], dimensions: int | None = None,
                            normalize: bool | None = None, rid: str | None = None) -> Req:
         if self.task != "embed":
@@ -322,21 +330,25 @@ class Engine:
         return work.apply(batch, self.runner.forward(batch, post))
 
     def _guarded(self, work: Work, batch: ScheduledBatch) -> list[Req]:
-        """Run a batch; if it fails, run its rows one by one so that only the request that
-        fails is finished with an error. A row writes only its own KV slots, so a retry is
-        safe."""
+        """Run a batch; if it fails, run it again request by request so that only the request
+        that fails is finished with an error. A request writes only its own KV slots, and a
+        result is applied row by row with each row isolated (``Scheduler.apply_rows``), so
+        an exception here means nothing was applied and a retry is safe."""
         try:
             return self._run(work, batch)
         except Exception as exc:  # noqa: BLE001 - isolate the failing request
-            if batch.batch_size > 1:
-                return [req for i in range(batch.batch_size)
-                        for req in self._guarded(work, batch.row(i))]
-            req = self.scheduler.running.get(batch.rids[0])
-            if req is None:
-                return []
-            logger.exception("request %s failed", req.rid)
-            self.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-            return [req]
+            units = work.split(batch) if work.split is not None else [
+                batch.row(i) for i in range(batch.batch_size)]
+            if len(units) > 1:
+                return [req for unit in units for req in self._guarded(work, unit)]
+            failed = []
+            for rid in dict.fromkeys(batch.rids):  # one request (a CFG request has two rows)
+                req = self.scheduler.running.get(rid)
+                if req is not None:
+                    logger.exception("request %s failed", rid)
+                    self.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                    failed.append(req)
+            return failed
 
     # ---- outputs -----------------------------------------------------------------------
     def output_of(self, req: Req) -> RequestOutput:

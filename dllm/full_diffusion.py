@@ -190,7 +190,13 @@ class FullDiffusionScheduler(Scheduler):
         reqs = self._pick()
         if not reqs:
             return []
-        return [Work(self.build_step(reqs), self.apply_step, self.make_post)]
+        return [Work(self.build_step(reqs), self.apply_step, self.make_post,
+                     split=self.split)]
+
+    def split(self, batch: ScheduledBatch) -> list[ScheduledBatch]:
+        """One batch per request, a CFG request with its unconditional twin."""
+        reqs = [self.running[rid] for rid in dict.fromkeys(batch.rids) if rid in self.running]
+        return [self.build_step([req]) for req in reqs]
 
     def _pick(self) -> list[Req]:
         """Least recently run first, within the token budget (the first always runs)."""
@@ -262,16 +268,18 @@ class FullDiffusionScheduler(Scheduler):
         return batch
 
     def make_post(self, batch: ScheduledBatch) -> FullDiffusionPost:
-        """The requests this batch can step: its leading conditional rows whose twin (if
-        any) is in the batch too. A batch split for error isolation may hold a row alone."""
+        """The requests this batch steps: its leading conditional rows (twins follow)."""
         inp = batch.row_inputs
         active: list[Req] = []
         for i, rid in enumerate(batch.rids):
             partner = i + inp["fd.partner"][i]
             req = self.running.get(rid)
-            if (req is None or inp["fd.uncond"][i] or partner >= batch.batch_size
-                    or batch.rids[partner] != rid):
+            if req is None or inp["fd.uncond"][i]:
                 break
+            if partner >= batch.batch_size or batch.rids[partner] != rid:
+                # ``split`` keeps a request's rows together; a lone CFG row is a bug.
+                raise RuntimeError(f"request {rid}: a classifier-free-guidance row without "
+                                   "its unconditional twin")
             active.append(req)
         return FullDiffusionPost(active, self.config.mask_token_id, self.logits_shift,
                                  self.compute_logits)
@@ -281,25 +289,27 @@ class FullDiffusionScheduler(Scheduler):
             return []
         self._tick += 1
         result = DenoisePost.read(output)
-        changed = []
-        for r, tokens in enumerate(result.tokens):
-            req = self.running.get(batch.rids[r])
-            if req is None or req.block is None:
-                continue
+
+        def apply_row(r: int, req: Req) -> bool:
+            # Rows past the stepped requests are CFG twins (no result of their own).
+            if r >= len(result.tokens) or req.block is None:
+                return False
             self._last_run[req.rid] = self._tick
             req.num_forward_passes += 1
             req.num_denoise_forwards += 1
             blk = req.block
             blk.step += 1
-            blk.tokens = tokens[: len(blk.tokens)]
+            blk.tokens = result.tokens[r][: len(blk.tokens)]
             blk.transfers += result.num_transferred[r]
             blk.algo_state = result.state[r]
             if result.done[r]:
                 req.num_blocks_committed += 1
                 req.block = None
                 self.commit_tokens(req, blk.tokens)
-                changed.append(req)
-        return changed
+                return True
+            return False
+
+        return self.apply_rows(batch, apply_row)
 
 
 class FullDiffusionPost:

@@ -4,6 +4,7 @@ and says which forwards one engine step runs (``schedule``)."""
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.request import FinishReason, Req, ReqStatus
 from dllm.runner.forward_batch import ScheduledBatch
 from dllm.stop import StopChecker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,13 +29,16 @@ class SchedulerConfig:
 
 @dataclass
 class Work:
-    """One forward the scheduler wants run, and how to consume its output. Both callables
-    take the batch actually run, so the engine may split ``batch`` into its rows
-    (``ScheduledBatch.row``) and run them one by one when the whole batch fails."""
+    """One forward the scheduler wants run, and how to consume its output. The callables
+    take the batch actually run, so the engine may split ``batch`` into one batch per request
+    (``split``, or ``ScheduledBatch.row`` per row) and run them one by one when the whole
+    batch fails."""
 
     batch: ScheduledBatch
     apply: Callable[[ScheduledBatch, Any], list[Req]]  # the one host read happens here
     make_post: Callable[[ScheduledBatch], Any] | None = None  # the device post-step
+    # One batch per request, for the retry after a failure (default: one per row).
+    split: Callable[[ScheduledBatch], list[ScheduledBatch]] | None = None
 
 
 class Scheduler(ABC):
@@ -153,6 +159,26 @@ class Scheduler(ABC):
             if budget < granule:
                 break
         return rows
+
+    def apply_rows(self, batch: ScheduledBatch, apply_row: Callable[[int, Req], bool]
+                   ) -> list[Req]:
+        """Apply a step's result row by row: ``apply_row(i, req)`` updates one running request
+        and says whether its output changed. A row that raises finishes only its own request
+        (with an error): no exception leaves here once a row has been applied, so the engine
+        never re-runs a batch that was partly applied."""
+        changed = []
+        for i, rid in enumerate(batch.rids):
+            req = self.running.get(rid)
+            if req is None:
+                continue
+            try:
+                if apply_row(i, req):
+                    changed.append(req)
+            except Exception as exc:  # noqa: BLE001 - isolate the failing request
+                logger.exception("request %s failed while applying its step", rid)
+                self.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                changed.append(req)
+        return changed
 
     def commit_tokens(self, req: Req, new_tokens: list[int]) -> bool:
         """Apply the stop rules to newly final tokens; returns True if the request ended."""

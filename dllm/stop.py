@@ -45,25 +45,21 @@ class StopChecker:
 
     def _first_stop_string(self, prev: list[int], new: list[int],
                            stops: list[str]) -> tuple[int, str] | None:
-        """Fewest tokens of ``new`` after which the output text contains a stop string that
-        it did not contain before, and that string."""
+        """Fewest tokens of ``new`` after which the output text contains a stop string that it
+        did not contain before, and that string: the one completed first (as vLLM), and of
+        several completed by the same token, the one that starts first."""
         if not new:
             return None
-        base = self.decode(prev)
-        full = self.decode(prev + new)
         # Only occurrences that end in the new text count; earlier ones ended the output.
-        horizon = max(0, len(base) - max(len(s) for s in stops) + 1)
-        best: tuple[int, str] | None = None
-        for s in stops:
-            at = full.find(s, horizon)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, s)
-        if best is None:
+        horizon = max(0, len(self.decode(prev)) - max(len(s) for s in stops) + 1)
+        if not any(s in self.decode(prev + new)[horizon:] for s in stops):
             return None
-        for k in range(1, len(new) + 1):  # the first prefix of the block that completes it
-            if best[1] in self.decode(prev + new[:k])[horizon:]:
-                return k, best[1]
-        return len(new), best[1]
+        for k in range(1, len(new) + 1):
+            text = self.decode(prev + new[:k])[horizon:]
+            hits = [(text.find(s), s) for s in stops if s in text]
+            if hits:
+                return k, min(hits)[1]
+        return None
 
     def output_text(self, req: Req) -> str:
         """The request's text: special tokens skipped, cut before a matched stop string."""

@@ -78,9 +78,10 @@ class Serving:
                               "(task 'embed'); use /v1/embeddings")
         if not prompts:
             raise bad_request("prompt must not be empty", "prompt")
-        if gid in self._groups:
-            raise bad_request(f"request id {clip(gid)!r} is already in use")
         rids = [gid] if len(prompts) == 1 else [f"{gid}-{i}" for i in range(len(prompts))]
+        in_flight = {rid for group in self._groups.values() for rid in group}
+        if gid in self._groups or in_flight.intersection(rids):
+            raise bad_request(f"request id {clip(gid)!r} is already in use")
         self._groups[gid] = rids
         try:
             return [await asyncio.to_thread(self._make_one, p, params, rid, explicit_max,
@@ -93,14 +94,14 @@ class Serving:
     def _make_one(self, prompt: Prompt, params: SamplingParams, rid: str, explicit_max: bool,
                   max_name: str) -> Req:
         try:
-            req = self.llm.make_request(prompt, params, rid)
+            if not explicit_max:  # the default, fitted to this prompt before the request is
+                # laid out (full-attention block sizes and steps depend on max_new_tokens)
+                room = self.llm.call_in_engine(lambda e: e.max_new_tokens_room(prompt))
+                params = dataclasses.replace(params, max_new_tokens=max(1, min(
+                    DEFAULT_MAX_TOKENS, room)))
+            return self.llm.make_request(prompt, params, rid)
         except (ValueError, TypeError) as exc:
             raise self._invalid(exc, max_name) from None
-        if not explicit_max:
-            room = self.context_length - req.prompt_len
-            req.params = dataclasses.replace(req.params,
-                                             max_new_tokens=max(1, min(DEFAULT_MAX_TOKENS, room)))
-        return req
 
     @staticmethod
     def _invalid(exc: Exception, max_name: str) -> APIError:

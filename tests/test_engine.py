@@ -308,3 +308,49 @@ def test_stop_string_spanning_two_blocks(llm):
     assert out.finish_reason == "stop"
     assert out.text == free.text[: cut - 1]
     assert len(out.token_ids) > k and out.token_ids == ids[: len(out.token_ids)]
+
+
+def test_failure_while_applying_one_row_spares_the_rows_applied_before(llm, monkeypatch):
+    """A row whose result cannot be applied ends alone; rows applied before it in the same
+    step are not applied twice (their output equals their solo run)."""
+    e = llm.engine
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    good = [prompt_of(n, salt=6) for n in (5, 7)]
+    alone = [llm.generate(p, params)[0].token_ids for p in good]
+    checker = e.scheduler.stop_checker
+    real_check = checker.check
+
+    def check(req, new_tokens):
+        if req.rid == "bad":
+            raise RuntimeError("injected failure")
+        return real_check(req, new_tokens)
+
+    monkeypatch.setattr(checker, "check", check)
+    reqs = [e.make_request(good[0], params), e.make_request(prompt_of(6, salt=7), params,
+                                                            rid="bad"),
+            e.make_request(good[1], params)]
+    outs = e.run_to_completion(reqs)
+    assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == alone
+    e.check_memory()
+
+
+def test_the_stop_string_completed_first_wins(llm):
+    """Of two stop strings, the one whose last character comes first ends the output, even
+    when the other starts earlier (vLLM's rule)."""
+    for salt in range(30):  # a prompt whose output has a clean 8-character window
+        prompt = prompt_of(6, salt=salt)
+        text = llm.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))[0].text
+        found = [at for at in range(len(text) - 8)
+                 if "\ufffd" not in text[at : at + 8] and text.find(text[at : at + 8]) == at
+                 and text.find(text[at + 2 : at + 4]) == at + 2]
+        if found:
+            break
+    else:
+        pytest.fail("no prompt gave a usable window")
+    at = found[0]
+    long_stop, short_stop = text[at : at + 8], text[at + 2 : at + 4]
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                              stop=[long_stop, short_stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: at + 2]

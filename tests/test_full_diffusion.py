@@ -231,8 +231,8 @@ def test_abort_cfg_request_mid_block_frees_both_sequences(engines):
 
 
 def test_error_in_one_request_spares_the_others(engines):
-    """A failing row ends only its request; a CFG request split from its twin by the retry
-    just waits a step; every other output is as alone."""
+    """A failing request ends alone; the retry runs each request (a CFG request with its
+    twin) on its own, so every other output is as alone."""
     llm = engines["llada"]
     e = llm.engine
     poison = 7
@@ -327,4 +327,27 @@ def test_step_has_no_host_sync(engines, monkeypatch):
     assert len(DenoisePost.read(out).tokens) == 3
     for r in reqs:
         e.abort(r.rid)
+    e.check_memory()
+
+
+def test_cfg_request_whose_forward_always_fails_ends_with_an_error(engines):
+    """The retry keeps a CFG request's two rows together; when they fail on their own the
+    request ends with an error instead of waiting forever."""
+    e = engines["llada"].engine
+    req = e.make_request(prompt_of(5, salt=8), SamplingParams(
+        max_new_tokens=8, ignore_eos=True, dllm={"block_size": 4, "cfg_scale": 1.0}))
+
+    def always_fail(module, args):
+        raise RuntimeError("injected failure")
+
+    handle = e.model.register_forward_pre_hook(always_fail)
+    try:
+        e.add_request(req)
+        for _ in range(5):
+            e.step()
+            if req.finished:
+                break
+    finally:
+        handle.remove()
+    assert req.finish_reason is FinishReason.ERROR and "injected failure" in req.error
     e.check_memory()

@@ -1,0 +1,53 @@
+"""Request ids in flight stay unique without harming the running request, and the server's
+default ``max_tokens`` is fitted before a full-attention request is laid out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dllm import AsyncLLM, SamplingParams
+from dllm.engine import Engine
+from dllm.server.serving import DEFAULT_MAX_TOKENS, Serving
+from dllm.testing import make_tiny_checkpoint
+
+
+def test_duplicate_request_id_is_refused_and_the_first_completes(sdar_dir):
+    llm = AsyncLLM(engine=Engine(model=sdar_dir, max_running_requests=4))
+    first_params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    async def main():
+        first = asyncio.ensure_future(llm.generate([5, 6, 7], first_params, rid="x"))
+        await asyncio.sleep(0)  # let the first request reach the engine
+        while llm.num_streams == 0:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ValueError, match="already in use"):
+            await llm.generate([8, 9], SamplingParams(max_new_tokens=4), rid="x")
+        return await asyncio.wait_for(first, timeout=60)
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert out.finish_reason == "length" and len(out.token_ids) == 40
+    llm.engine.check_memory()
+
+
+def test_server_default_max_tokens_is_known_before_the_layout(tmp_path):
+    path = make_tiny_checkpoint("LLaDAModelLM", tmp_path, seed=0,
+                                max_sequence_length=512)
+    llm = AsyncLLM(engine=Engine(model=str(path), max_running_requests=2))
+    serving = Serving(llm)
+
+    async def main():
+        params = serving.sampling_params({}, "max_tokens")
+        return await serving.make("g1", ["hello world"], params, explicit_max=False)
+
+    try:
+        (req,) = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert req.params.max_new_tokens == DEFAULT_MAX_TOKENS
+    assert req.block_size == 32  # LLaDA's default block, not a block of one token
+    assert req.algo_config["steps_per_block"] == 32
