@@ -225,15 +225,20 @@ class Engine:
                                                   add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                     rid: str | None = None) -> Req:
-        """Validate and build a request (raises ``ValueError`` on bad input)."""
-        params = params or SamplingParams()
+    def tokenize_checked(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, each inside the vocabulary (``ValueError`` otherwise)."""
         ids = self.tokenize(prompt)
         bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary of "
                              f"{self.info.vocab_size} tokens")
+        return ids
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                     rid: str | None = None) -> Req:
+        """Validate and build a request (raises ``ValueError`` on bad input)."""
+        params = params or SamplingParams()
+        ids = self.tokenize_checked(prompt)
         if len(ids) + params.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
@@ -296,8 +301,16 @@ class Engine:
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(
                 dimensions, int) or not 1 <= dimensions <= hidden):
             raise ValueError(f"dimensions must be an integer in [1, {hidden}], got {dimensions!r}")
-        req = self.make_request(text, SamplingParams(max_new_tokens=1), rid)
-        req.embed_dimensions, req.embed_normalize = dimensions, normalize
+        ids = self.tokenize_checked(text)
+        if len(ids) > self.context_length:
+            raise ValueError(f"input ({len(ids)} tokens) exceeds the context length of "
+                             f"{self.context_length}")
+        req = Req(rid=rid if rid is not None else f"req-{next(self._rid_counter)}",
+                  prompt_ids=ids, params=SamplingParams(max_new_tokens=1),
+                  algorithm=self.algorithm_name, algo_config={}, block_size=1,
+                  arrival=self.step_count, is_embedding=True, embed_dimensions=dimensions,
+                  embed_normalize=normalize)
+        self.scheduler.check_fits(req)
         return req
 
     def add_request(self, req: Req) -> None:

@@ -65,6 +65,7 @@ class Req:
     num_commit_forwards: int = 0
     num_blocks_committed: int = 0
     # Embedding requests: options, running pooled sums across prefill chunks, the result.
+    is_embedding: bool = False  # pooled, generates nothing
     embed_normalize: bool | None = None
     embed_dimensions: int | None = None
     pool_state: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +109,8 @@ class Req:
         exactly its canvas (its twin for CFG reserves as much again)."""
         if self.is_full_attention:
             return self.canvas_len
+        if self.is_embedding:
+            return self.prompt_len
         end = self.prompt_len + self.params.max_new_tokens
         return -(-end // self.block_size) * self.block_size
 

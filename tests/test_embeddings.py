@@ -82,3 +82,16 @@ def test_task_embed_flag_and_normalize_override(base):
     gen = LLM(str(path))
     with pytest.raises(ValueError, match="task='embed'"):
         gen.embed("hello")
+
+
+def test_an_input_of_exactly_the_context_length_is_embedded(base, tmp_path):
+    path, hf, tok = base
+    llm = LLM(str(path), task="embed", context_length=24, max_prefill_tokens=8)
+    ids = list(range(5, 29))  # 24 tokens: the whole context, nothing reserved for output
+    out = llm.embed(ids)[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).last_hidden_state[0, -1]
+    assert torch.allclose(torch.tensor(out.embedding), want, atol=1e-4)
+    with pytest.raises(ValueError, match="exceeds the context length"):
+        llm.embed(ids + [5])
+    llm.engine.check_memory()
