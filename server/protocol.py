@@ -97,11 +97,9 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class SamplingFields(_Model):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+class _Sampling(_Model):
+    """The ``SamplingParams`` fields every generation route takes (``None``: the default)."""
 
-    model: str | None = None
-    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -109,9 +107,16 @@ class SamplingFields(_Model):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     seed: int | None = None
+    dllm: dict[str, Any] | None = None  # per-request diffusion settings (SamplingParams.dllm)
+
+
+class SamplingFields(_Sampling):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = None
+    max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    dllm: dict[str, Any] | None = None  # per-request diffusion settings (SamplingParams.dllm)
     # OpenAI fields accepted only at their no-op value (see ``reject_unsupported``).
     n: int | None = None
     presence_penalty: float | None = None
@@ -161,16 +166,8 @@ class EmbeddingRequest(_Model):
     user: str | None = None
 
 
-class NativeSamplingParams(_Model):
+class NativeSamplingParams(_Sampling):
     max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    seed: int | None = None
-    dllm: dict[str, Any] | None = None
 
 
 class GenerateRequest(_Model):

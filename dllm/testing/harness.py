@@ -5,6 +5,9 @@ builds its ``ForwardBatch`` through the runner; this builds the same object by h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from dllm.memory import ReqToTokenPool, TokenToKVPool
@@ -119,3 +122,24 @@ def run_staggered(engine, reqs: list) -> list[list[int]]:
             engine.add_request(pending.pop(0))
         engine.step()
     return [engine.output_of(r).token_ids for r in reqs]
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+@contextmanager
+def forbid_host_sync() -> Iterator[None]:
+    """Inside, any tensor read back to the host (``.item()``, ``.tolist()``, ``bool(t)``…)
+    raises: wrap a step's forward and post-step to show they never synchronise."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation inside the step")
+
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, forbidden)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
