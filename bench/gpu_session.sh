@@ -2,7 +2,7 @@
 # One GPU session on a bare CUDA machine without internet (the project's H200 runs):
 # install the carried FlashInfer wheels (../shared/tools/gpu-wheels.sh .whl), install dllm
 # without dependencies (the machine's torch/transformers are used), run the GPU tests, then
-# the offline benchmark. Results go to $OUT (or bench/results).
+# the offline benchmark. Results go to $OUT (or bench/results). Carry .whl and .jit.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -10,7 +10,20 @@ export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+# FlashInfer compiles its kernels on first use (minutes): reuse a cache brought back from an
+# earlier run (.jit/fi-jit.tgz, carried), and hand the cache back in $OUT for the next one.
+# The wheel was just installed, so its sources are newer than the cached objects: touch the
+# cache, or ninja rebuilds everything.
+if [ -f .jit/fi-jit.tgz ]; then mkdir -p "$FLASHINFER_WORKSPACE_BASE" && \
+  tar xzf .jit/fi-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && \
+  find "$FLASHINFER_WORKSPACE_BASE/.cache" -exec touch {} +; fi
+trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs -n 4 tests/test_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.log"
 timeout "${BENCH_TIMEOUT:-400}" python3 bench/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+if [ -n "${PROFILE_ARGS:-}" ]; then  # e.g. PROFILE_ARGS="--model sdar-8b --batch-size 128"
+  # shellcheck disable=SC2086
+  timeout "${PROFILE_TIMEOUT:-150}" python3 bench/profile_step.py --out "$OUT" $PROFILE_ARGS \
+    2>&1 | tee "$OUT/profile.log"
+fi

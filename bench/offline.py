@@ -83,9 +83,14 @@ def checkpoint_dir(name: str, root: Path) -> str:
 
 def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict) -> tuple[float, float]:
     """(weight bytes read, FLOPs) of one forward over ``tokens`` query tokens at context
-    ``ctx``. MoE: only the experts the tokens can reach are read."""
+    ``ctx``. An untied input embedding is a lookup: only ``tokens`` of its rows are read and
+    it does no matrix work. MoE: only the experts the tokens can reach are read."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
+    if getattr(model, "lm_head", None) is not None:  # untied: the head is the matmul
+        embed = model.model.embed_tokens.weight
+        total -= (embed.shape[0] - tokens) * embed.shape[1] * embed.element_size()
+        params -= embed.numel()
     if "num_experts" in cfg:
         e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
         expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]

@@ -37,7 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--task", default="auto", choices=("auto", "generate", "embed"))
     g.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
     g.add_argument("--disable-cuda-graph", action="store_true")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest batch size captured (default: --max-running-requests, "
+                        "at most 256)")
+    g.add_argument("--cuda-graph-bs", dest="cuda_graph_batch_sizes", type=int, nargs="+",
+                   default=None, help="the batch sizes to capture (default: buckets 1, 2, 4, "
+                                      "8, 12, 16, 24, 32, … up to --cuda-graph-max-bs)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -32,7 +32,8 @@ class EngineConfig:
         benchmarks).
     disable_cuda_graph / cuda_graph_max_bs: CUDA graphs (GPU with FlashInfer) capture denoise
         and decode steps for batch sizes up to ``cuda_graph_max_bs`` (default: the running cap,
-        at most 256).
+        at most 256), at bucketed sizes (a live batch is padded to the next one);
+        ``cuda_graph_batch_sizes`` names the sizes instead (every size from 1 to N: no padding).
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
     """
@@ -57,6 +58,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -70,6 +72,13 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0
                                   or (v == 0 and name != "mask_token_id")):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = tuple(self.cuda_graph_batch_sizes)
+            if not sizes or any(not isinstance(v, int) or isinstance(v, bool) or v < 1
+                                for v in sizes):
+                raise ValueError("cuda_graph_batch_sizes must be positive integers, got "
+                                 f"{self.cuda_graph_batch_sizes!r}")
+            object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -28,6 +28,7 @@ from dllm.full_diffusion import (
 from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.models.decoder import fuse_projections
 from dllm.models.loader import load_model
+from dllm.models.ops import install_ops
 from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.request import FinishReason, Req
@@ -102,10 +103,15 @@ class Engine:
             **cfg.algorithm_config,
         }
         self._init_memory()
+        self._init_layer_ops()
         self.scheduler = self._make_scheduler(path)
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.req_pool.req_to_token,
-            make_backend(cfg.attention_backend, self.device, cfg.page_size), self.device,
+            make_backend(cfg.attention_backend, self.device, cfg.page_size,
+                         max_bs=cfg.max_running_requests,
+                         max_pages=cfg.max_running_requests * -(-self.req_pool.max_context
+                                                                // cfg.page_size)),
+            self.device,
             max_bs=cfg.max_running_requests,
             max_tokens=max(cfg.max_prefill_tokens, cfg.max_running_requests * self.block_size),
         )
@@ -168,6 +174,17 @@ class Engine:
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", pages - 1, page,
                     self.kv_pool.memory_bytes() / 2**20)
 
+    def _init_layer_ops(self) -> None:
+        """FlashInfer's fused norm/activation/RoPE kernels where its attention runs (CUDA);
+        the plain-PyTorch reference ops elsewhere."""
+        cfg = self.config
+        if (self.device.type == "cuda"
+                and resolve_backend_name(cfg.attention_backend, self.device) == "flashinfer"):
+            from dllm.runner.kernels import FlashInferOps
+
+            install_ops(self.model, FlashInferOps(self.model, self.req_pool.max_context,
+                                                  self.device))
+
     def _init_cuda_graphs(self) -> None:
         """Capture denoise (block diffusion) or decode (autoregressive) steps on CUDA with
         FlashInfer; everything else, and every shape not captured, runs eagerly."""
@@ -178,7 +195,7 @@ class Engine:
                 or not getattr(self.model, "supports_cuda_graph", True)
                 or kind not in ("block_diffusion", "causal_lm")):
             return
-        from dllm.runner.cuda_graph import CudaGraphRunner
+        from dllm.runner.cuda_graph import CudaGraphRunner, capture_sizes
 
         diffusion = kind == "block_diffusion"
         mask_id, shift = self.mask_token_id, self.info.spec.logits_shift
@@ -188,10 +205,15 @@ class Engine:
                 return DenoisePost({group: list(range(bs))}, bs, mask_id, shift, flags)
             return SampleNext(flags)
 
+        max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests,
+                     cfg.max_running_requests, 256)
+        sizes = ([s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_running_requests]
+                 if cfg.cuda_graph_batch_sizes else capture_sizes(max_bs))
+        if not sizes:
+            return
         graphs = CudaGraphRunner(
-            self.runner, self.block_size,
-            min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests, 256),
-            self.req_pool.max_context, cfg.page_size, post_for,
+            self.runner, self.block_size, sizes, self.req_pool.max_context, cfg.page_size,
+            post_for,
             modes=(ForwardMode.DLLM_EXTEND,) if diffusion else (ForwardMode.DECODE,))
         graphs.capture_all([self.algorithm_name] if diffusion else [""])
         self.runner.add_runner(graphs)
@@ -339,6 +361,7 @@ class Engine:
         self.runner.forward(ScheduledBatch(ForwardMode.IDLE))
 
     def _run(self, work: Work, batch: ScheduledBatch) -> list[Req]:
+        batch.table_version = self.req_pool.version
         post = work.make_post(batch) if work.make_post is not None else None
         return work.apply(batch, self.runner.forward(batch, post))
 

@@ -23,6 +23,10 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(max_reqs + 1, max_context, dtype=torch.int64,
                                         device=device)
         self._free: list[int] = list(range(max_reqs, 0, -1))
+        # Bumped whenever a row is handed out or freed (its token slots change): a batch
+        # carries the version it was built at, and an attention backend reuses its plan
+        # (page table) only for a batch of the same layout and version.
+        self.version = 0
 
     @property
     def num_free(self) -> int:
@@ -31,6 +35,7 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         if not self._free:
             raise OutOfMemoryError("no free request slot")
+        self.version += 1
         return self._free.pop()
 
     def free(self, index: int) -> None:
@@ -38,6 +43,7 @@ class ReqToTokenPool:
             raise RuntimeError(f"request slot {index} freed twice")
         self.req_to_token[index].zero_()
         self._free.append(index)
+        self.version += 1
 
 
 class TokenToKVPool:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.attention import Attention, KVCacheSpec
@@ -26,9 +25,9 @@ from dllm.models.layers import (
     SwiGLUMLP,
     VocabEmbedding,
     fuse_linears,
-    head_rms_norm,
 )
 from dllm.models.moe import StackedExperts
+from dllm.models.ops import UsesOps
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ def hf_attention_spec(config: ModelConfig, *, qkv_bias: bool, out_bias: bool,
     )
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(UsesOps, nn.Module):
     """``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ per-head ``q_norm``/``k_norm``) and RoPE."""
 
     def __init__(self, spec: AttentionSpec, layer_id: int):
@@ -113,44 +112,32 @@ class SelfAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
-        """After loading: one ``qkv_proj`` GEMM instead of three, and q and k heads normed
-        and rotated together (one kernel chain instead of two)."""
-        s = self.spec
+        """After loading: one ``qkv_proj`` GEMM instead of three."""
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
-        if s.qk_norm:  # per-head weights of the q heads, then of the k heads: [H+Hkv, D]
-            weight = torch.cat([self.q_norm.weight.expand(s.num_heads, -1),
-                                self.k_norm.weight.expand(s.num_kv_heads, -1)])
-            self.qk_norm_weight = nn.Parameter(weight, requires_grad=False)
-            del self.q_norm, self.k_norm
-
-    def _forward_fused(self, positions: torch.Tensor, x: torch.Tensor,
-                       forward_batch: ForwardBatch) -> torch.Tensor:
-        s = self.spec
-        t, n = x.shape[0], s.num_heads + s.num_kv_heads
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        qk, v = qkv[:, : s.q_size + s.kv_size], qkv[:, s.q_size + s.kv_size :]
-        if s.qk_norm:  # the same float32 statistics as RMSNorm, per head
-            normed = F.rms_norm(qk.view(t, n, s.head_dim).float(), (s.head_dim,),
-                                eps=s.norm_eps)
-            qk = (self.qk_norm_weight * normed.to(x.dtype)).view(t, n * s.head_dim)
-        qk = self.rotary_emb.rotate(positions, qk, forward_batch.memo)  # [T, (H + Hkv) * D]
-        q, k = qk[:, : s.q_size], qk[:, s.q_size :]
-        return self.o_proj(self.attn(q, k, v, forward_batch))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        if self.qkv_proj is not None:
-            return self._forward_fused(positions, x, forward_batch)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*D], [T, Hkv*D] ×2
-        if self.spec.qk_norm:
-            q = head_rms_norm(self.q_norm, q, self.spec.head_dim)
-            k = head_rms_norm(self.k_norm, k, self.spec.head_dim)
-        q, k = self.rotary_emb(positions, q, k, forward_batch.memo)
+        s = self.spec
+        t = x.shape[0]
+        if self.qkv_proj is not None:  # q, k, v are column slices of one GEMM's output
+            qkv = self.qkv_proj(x)
+            q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, s.num_heads, s.head_dim)  # [T, H, D], rows strided when fused
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = self.ops.head_rms_norm(q, self.q_norm.weight, s.norm_eps)
+            k = self.ops.head_rms_norm(k, self.k_norm.weight, s.norm_eps)
+        q, k = self.ops.rope(self.rotary_emb, positions, q, k, forward_batch.memo)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm layer carrying the residual stream separately (as vLLM and SGLang do), so the
+    residual add and the next RMSNorm are one step (``RMSNorm.add_forward``)."""
+
     def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden_size, eps)
@@ -158,10 +145,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:  # [T, H] -> [T, H]
-        x = x + self.self_attn(positions, self.input_layernorm(x), forward_batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous layer's MLP output and ``residual`` the stream before it
+        (``None`` at the first layer, whose ``x`` is the embedding); returns the same pair
+        for the next layer. The stream after this layer is ``residual + x`` of the result."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(positions, h, forward_batch)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -174,9 +169,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, forward_batch)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, forward_batch)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
 class DecoderLM(nn.Module):

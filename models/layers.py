@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.config import ModelConfig
+from dllm.models.ops import UsesOps
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesOps, nn.Module):
     """``weight * x / rms(x)``, the statistics in float32 (as the HF reference models do)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -23,10 +24,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # ``F.rms_norm`` is x * rsqrt(mean(x²) + eps): one fused kernel where torch has one,
-        # instead of five elementwise/reduction kernels.
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * y.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(residual + x), residual + x)``: the pre-norm decoder's residual step, one
+        kernel where the layer ops fuse it."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +123,13 @@ class RotaryEmbedding(nn.Module):
         """Recompute the non-persistent buffer (after meta-device construction)."""
         self.register_buffer("inv_freq", rope_inv_freq(self.spec, device), persistent=False)
 
+    def cos_sin_cache(self, max_positions: int) -> torch.Tensor:
+        """float32 ``[max_positions, rotary_dim]``: cos of every position in the first half of
+        the columns, sin in the second (the table fused RoPE kernels index by position)."""
+        pos = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``cos``/``sin`` ``[T, 1, rotary_dim]``."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rot/2]
@@ -152,21 +163,10 @@ class RotaryEmbedding(nn.Module):
             memo[key] = (cos, sin)
         return cos, sin
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor,
-               memo: dict | None = None) -> torch.Tensor:
-        """RoPE on every head of ``x`` ``[T, N*D]`` (q and k heads side by side, say)."""
-        return self._rotate(x, *self._cos_sin(positions, x.dtype, memo))
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions, q.dtype, memo)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-
-def head_rms_norm(norm: RMSNorm, x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Per-head RMSNorm (Qwen3/SDAR ``q_norm``, LLaDA2 ``query_layernorm``) of ``[T, H*D]``."""
-    t, width = x.shape
-    return norm(x.view(t, width // head_dim, head_dim)).view(t, width)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(UsesOps, nn.Module):
     """``down(silu(gate(x)) * up(x))`` with the HF names ``gate_proj``/``up_proj``/``down_proj``.
     After loading, ``fuse()`` may replace gate and up by one ``gate_up_proj`` GEMM."""
 
@@ -209,8 +209,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -29,16 +29,16 @@ from dllm.models.layers import (
     RotaryEmbedding,
     SwiGLUMLP,
     check_silu,
-    head_rms_norm,
 )
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
+from dllm.models.ops import UsesOps
 from dllm.models.weights import STACK_EXPERTS, WeightRule
 
 if TYPE_CHECKING:
     from dllm.runner.forward_batch import ForwardBatch
 
 
-class FusedQKVAttention(nn.Module):
+class FusedQKVAttention(UsesOps, nn.Module):
     def __init__(self, spec: AttentionSpec, layer_id: int):
         super().__init__()
         self.spec = spec
@@ -53,12 +53,14 @@ class FusedQKVAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        s = self.spec
+        s, t = self.spec, x.shape[0]
         q, k, v = self.query_key_value(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q = head_rms_norm(self.query_layernorm, q, s.head_dim)
-            k = head_rms_norm(self.key_layernorm, k, s.head_dim)
-        q, k = self.rotary_emb(positions, q, k, forward_batch.memo)
+            q = self.ops.head_rms_norm(q, self.query_layernorm.weight, s.norm_eps)
+            k = self.ops.head_rms_norm(k, self.key_layernorm.weight, s.norm_eps)
+        q, k = self.ops.rope(self.rotary_emb, positions, q, k, forward_batch.memo)
         return self.dense(self.attn(q, k, v, forward_batch))
 
 

@@ -53,7 +53,7 @@ class CudaGraphRunner(Runner):
     ``flags`` = (some row samples, some sampled row filters), so a greedy batch replays a
     graph without the sampling work."""
 
-    def __init__(self, owner: ModelRunner, block_size: int, max_bs: int, max_context: int,
+    def __init__(self, owner: ModelRunner, block_size: int, sizes: list[int], max_context: int,
                  page_size: int,
                  post_for: Callable[[ForwardMode, int, str, tuple[bool, bool]], PostStep],
                  modes: tuple[ForwardMode, ...] = (ForwardMode.DLLM_EXTEND,)):
@@ -61,7 +61,7 @@ class CudaGraphRunner(Runner):
 
         self.owner = owner
         self.block_size = block_size
-        self.sizes = capture_sizes(max_bs)
+        self.sizes = sorted(sizes)
         self.page_size = page_size
         self.post_for = post_for
         self.modes = modes
@@ -165,6 +165,7 @@ class CudaGraphRunner(Runner):
             list(batch.positions), list(batch.prefix_lens), list(batch.extend_lens),
             list(batch.seq_lens), batch.attention_mask, batch.block_size, batch.block_offset,
             batch.logits_mode, row_groups=list(batch.row_groups),
+            table_version=batch.table_version,
         )
         for i in range(n):
             out.add_row(f"<pad{i}>", 0, [0] * t, 0)

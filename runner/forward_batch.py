@@ -80,6 +80,9 @@ class ForwardBatch:
     # Post-step inputs copied from ScheduledBatch.row_inputs/token_inputs/row_tensors.
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     row_groups: list[str] = field(default_factory=list)
+    # Equal for two batches whose attention plan is the same (rows, lengths, mask and the
+    # slot table's version); None: plan afresh.
+    layout_key: tuple | None = None
     # Values the layers of one forward share (RoPE cos/sin), computed by the first layer
     # that needs them; cleared before every model call (so a graph capture recomputes them).
     memo: dict = field(default_factory=dict)
@@ -128,6 +131,8 @@ class ScheduledBatch:
     row_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # Host-side grouping the post step may use (e.g. the algorithm name of each row).
     row_groups: list[str] = field(default_factory=list)
+    # ``ReqToTokenPool.version`` when the batch was built (None: unknown, never reuse a plan).
+    table_version: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -35,42 +35,69 @@ CORE_FIELDS: dict[str, Field] = {
 
 
 class InputRegistry:
+    """Fields of one axis and dtype are rows of one device tensor (an arena), mirrored by a
+    pinned host tensor: ``load`` writes the host values and padding into the mirror and moves
+    each arena with one asynchronous copy, instead of one small copy per field."""
+
     def __init__(self, max_bs: int, max_tokens: int, device: torch.device):
         self.max_bs = max_bs
         self.max_tokens = max_tokens
         self.device = device
         self.fields: dict[str, Field] = dict(CORE_FIELDS)
         self.buffers: dict[str, torch.Tensor] = {}
-        for name, f in self.fields.items():
-            self._alloc(name, f)
+        self._arenas: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[str, int] = {}
+        self._copied: torch.cuda.Event | None = None  # the last host→device copy (CUDA)
+        self._alloc()
 
-    def _alloc(self, name: str, f: Field) -> None:
-        n = self.max_tokens if f.axis == "tokens" else self.max_bs
-        self.buffers[name] = torch.full((n,), f.pad, dtype=f.dtype, device=self.device)
+    def _alloc(self) -> None:
+        """(Re)build the arenas for the registered fields, every entry at its padding value."""
+        groups: dict[tuple[str, torch.dtype], list[str]] = {}
+        for name, f in self.fields.items():
+            groups.setdefault((f.axis, f.dtype), []).append(name)
+        pin = self.device.type == "cuda"
+        self._arenas.clear()
+        for (axis, dtype), names in groups.items():
+            n = self.max_tokens if axis == "tokens" else self.max_bs
+            host = torch.empty((len(names), n), dtype=dtype, pin_memory=pin)
+            for i, name in enumerate(names):
+                host[i].fill_(self.fields[name].pad)
+                self._rows[name] = i
+            dev = host.to(self.device, copy=True)
+            self._arenas[(axis, dtype)] = (host, dev)
+            for i, name in enumerate(names):
+                self.buffers[name] = dev[i]
 
     def register(self, name: str, axis: str, dtype: torch.dtype, pad: float = 0) -> None:
-        """Declare a post-step input (e.g. an algorithm setting) before it is first filled."""
+        """Declare a post-step input (e.g. an algorithm setting) before the first ``load``
+        (buffers move when a field is added)."""
         if name not in self.fields:
             self.fields[name] = Field(axis, dtype, pad)
-            self._alloc(name, self.fields[name])
+            self._alloc()
 
     def ensure_capacity(self, bs: int, tokens: int) -> None:
         """Grow the buffers (eager only: captured graphs are built within the initial size)."""
         if bs <= self.max_bs and tokens <= self.max_tokens:
             return
         self.max_bs, self.max_tokens = max(bs, self.max_bs), max(tokens, self.max_tokens)
-        for name, f in self.fields.items():
-            self._alloc(name, f)
+        self._alloc()
 
-    def _fill(self, name: str, values: list | torch.Tensor, padded: int) -> torch.Tensor:
+    def _stage(self, name: str, values: list, padded: int) -> None:
+        """Write host ``values`` and padding up to ``padded`` into the field's host row."""
+        host = self._arenas[(self.fields[name].axis, self.fields[name].dtype)][0]
+        row = host[self._rows[name]]
+        n = len(values)
+        if n:
+            row[:n] = torch.as_tensor(values, dtype=row.dtype)
+        if padded > n:
+            row[n:padded] = self.fields[name].pad
+
+    def _fill(self, name: str, values: torch.Tensor, padded: int) -> torch.Tensor:
+        """A device tensor's values into the field's buffer (padding written on the host)."""
         buf = self.buffers[name]
         n = len(values)
         if n:
-            src = values if isinstance(values, torch.Tensor) else torch.tensor(
-                values, dtype=buf.dtype)
-            buf[:n].copy_(src, non_blocking=True)
-        if padded > n:
-            buf[n:padded].fill_(self.fields[name].pad)
+            buf[:n].copy_(values, non_blocking=True)
         return buf[:padded]
 
     def load(self, batch: ScheduledBatch, req_to_token: torch.Tensor,
@@ -83,28 +110,45 @@ class InputRegistry:
         bs, t = batch.batch_size, batch.num_tokens
         pbs, pt = padded_bs or bs, padded_tokens or t
         self.ensure_capacity(pbs, pt)
-        get = {
+        if self._copied is not None:  # the host mirror is free once its last copy is done
+            self._copied.synchronize()
+        host_values: dict[str, list] = {
             "input_ids": batch.input_ids, "positions": batch.positions,
             "req_pool_indices": batch.req_pool_indices, "prefix_lens": batch.prefix_lens,
             "extend_lens": batch.extend_lens, "seq_lens": batch.seq_lens,
         }
-        views = {name: self._fill(name, values, pt if self.fields[name].axis == "tokens" else pbs)
-                 for name, values in get.items()}
+        if out_cache_loc is not None:
+            host_values["out_cache_loc"] = out_cache_loc
+        for source in (batch.row_inputs, batch.token_inputs):
+            host_values.update(source)
+        for name in batch.row_tensors:  # device values; their padding comes from the host
+            host_values.setdefault(name, [])
         if out_cache_loc is None:
+            host_values["out_cache_loc"] = []
+        for name, values in host_values.items():
+            if name not in self.fields:
+                raise KeyError(f"post-step input {name!r} was not registered")
+            self._stage(name, values, pt if self.fields[name].axis == "tokens" else pbs)
+        for host, dev in self._arenas.values():  # whole arenas: contiguous pinned copies
+            dev.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        views = {name: self.buffers[name][: pt if self.fields[name].axis == "tokens" else pbs]
+                 for name in CORE_FIELDS}
+        if out_cache_loc is None and t:
             rows = torch.repeat_interleave(
                 views["req_pool_indices"][:bs], views["extend_lens"][:bs], output_size=t)
-            loc = req_to_token[rows, views["positions"][:t]]
-        else:
-            loc = out_cache_loc
-        views["out_cache_loc"] = self._fill("out_cache_loc", loc, pt)
-        extras = {}
-        for source, axis_n in ((batch.row_inputs, pbs), (batch.token_inputs, pt),
-                               (batch.row_tensors, pbs)):
-            for name, values in source.items():
-                if name not in self.fields:
-                    raise KeyError(f"post-step input {name!r} was not registered")
-                extras[name] = self._fill(name, values, axis_n)
+            views["out_cache_loc"][:t].copy_(req_to_token[rows, views["positions"][:t]])
+        extras = {name: self.buffers[name][: pt if self.fields[name].axis == "tokens" else pbs]
+                  for source in (batch.row_inputs, batch.token_inputs) for name in source}
+        for name, values in batch.row_tensors.items():
+            extras[name] = self._fill(name, values, pbs)
         pad_rows = pbs - bs
+        key = None if batch.table_version is None else (
+            batch.mode, batch.attention_mask, batch.block_size, batch.block_offset, pbs,
+            tuple(batch.req_pool_indices), tuple(batch.prefix_lens),
+            tuple(batch.extend_lens), tuple(batch.seq_lens), batch.table_version)
         return ForwardBatch(
             mode=batch.mode,
             batch_size=pbs,
@@ -125,4 +169,5 @@ class InputRegistry:
             req_to_token=req_to_token,
             extras=extras,
             row_groups=list(batch.row_groups),
+            layout_key=key,
         )

@@ -1,5 +1,6 @@
 """GPU tests (marker ``gpu``; skipped without CUDA): FlashInfer equals SDPA for every mode,
-and CUDA-graph engine output equals eager output token for token."""
+the fused layer kernels equal the reference ops, and CUDA-graph engine output equals eager
+output token for token."""
 
 from __future__ import annotations
 
@@ -97,8 +98,11 @@ def prompts(n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("algorithm", ["low_confidence_static", "threshold"])
 def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm):
+    # Every batch size captured: a replay runs the shapes the eager step runs, so the two
+    # are bitwise equal (a padded replay runs larger GEMMs, which may round differently).
     kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
               max_running_requests=16, algorithm=algorithm,
+              cuda_graph_batch_sizes=tuple(range(1, 17)),
               algorithm_config={"threshold": 0.5} if algorithm == "threshold" else {})
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7 * (i % 2),
                              seed=i) for i in range(11)]
@@ -114,9 +118,64 @@ def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm):
 def test_cuda_graph_equals_eager_decode(tmp_path):
     path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=0, hidden_size=256,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128))
-    kw = dict(device="cuda", dtype="bfloat16", max_running_requests=8)
+    kw = dict(device="cuda", dtype="bfloat16", max_running_requests=8,
+              cuda_graph_batch_sizes=tuple(range(1, 9)))
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     got = [o.token_ids for o in LLM(path, **kw).generate(prompts(7), params)]
     want = [o.token_ids for o in LLM(path, disable_cuda_graph=True, **kw).generate(
         prompts(7), params)]
     assert got == want
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("rotary_factor", [1.0, 0.5])
+def test_flashinfer_layer_ops_match_reference(rotary_factor):
+    """Each fused kernel against the float32 reference on upcast inputs, next to the bf16
+    reference path: both within bf16 rounding (METHOD: ‖out − ref‖/‖ref‖ < 1e-2)."""
+    from dllm.models.config import ModelConfig
+    from dllm.models.layers import RopeSpec, RotaryEmbedding
+    from dllm.models.ops import TORCH_OPS
+    from dllm.runner.kernels import FlashInferOps
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    t, hid, h, hkv, d = 37, 1024, 8, 2, 128
+    rope = RotaryEmbedding(RopeSpec.from_config(
+        ModelConfig({"partial_rotary_factor": rotary_factor, "rope_theta": 1e6}), d)).to(dev)
+    ops = FlashInferOps(torch.nn.ModuleList([rope]), 4096, dev)
+
+    def check(fast, ref32, ref16):
+        assert torch.isfinite(fast.float()).all()
+        assert _rel(fast, ref32) < 1e-2 and _rel(ref16, ref32) < 1e-2
+
+    x = torch.randn(t, hid, generator=g, **bf)
+    res = torch.randn(t, hid, generator=g, **bf)
+    w = (1 + 0.1 * torch.randn(hid, generator=g, **bf))
+    check(ops.rms_norm(x, w, 1e-6), TORCH_OPS.rms_norm(x.float(), w.float(), 1e-6),
+          TORCH_OPS.rms_norm(x, w, 1e-6))
+    ref_n, ref_r = TORCH_OPS.add_rms_norm(x.float(), res.float(), w.float(), 1e-6)
+    n, r = ops.add_rms_norm(x.clone(), res.clone(), w, 1e-6)
+    check(n, ref_n, TORCH_OPS.add_rms_norm(x, res, w, 1e-6)[0])
+    check(r, ref_r, x + res)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g, **bf)  # strided q/k slices
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)
+    wd = (1 + 0.1 * torch.randn(d, generator=g, **bf))
+    check(ops.head_rms_norm(q, wd, 1e-6), TORCH_OPS.head_rms_norm(q.float(), wd.float(), 1e-6),
+          TORCH_OPS.head_rms_norm(q, wd, 1e-6))
+    gu = torch.randn(t, 2 * 3072, generator=g, **bf)
+    check(ops.silu_and_mul(gu), TORCH_OPS.silu_and_mul(gu.float()), TORCH_OPS.silu_and_mul(gu))
+    pos = torch.randint(0, 4096, (t,), generator=g, device=dev)
+    fq, fk = ops.rope(rope, pos, q, k, None)
+    rq, rk = TORCH_OPS.rope(rope, pos, q.float(), k.float(), None)
+    bq, bk = TORCH_OPS.rope(rope, pos, q, k, None)
+    check(fq, rq, bq)
+    check(fk, rk, bk)
+    if rotary_factor < 1:  # channels past rotary_dim pass through unchanged
+        rot = int(d * rotary_factor)
+        assert torch.equal(fq.view(t, h, d)[..., rot:], q[..., rot:])

@@ -46,29 +46,45 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, device: torch.device, page_size: int,
                  workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  max_bs: int | None = None, max_pages: int | None = None):
+        """``use_cuda_graph``: a backend of one captured batch size, planning only into fixed
+        buffers for ``max_bs`` rows and ``max_pages`` pages. Otherwise (the eager runner) a
+        general backend; given ``max_bs``/``max_pages`` it also keeps fixed-buffer wrappers and
+        plans ``DLLM_EXTEND`` and ``DECODE`` batches that fit with them, as a captured graph
+        plans them, so an eager step computes what a replay of the same batch computes (the
+        two planners may split the work differently, which changes the rounding)."""
         self.device = device
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        pkw: dict = {}
-        dkw: dict = {}
-        if use_cuda_graph:
-            # Fixed buffers (one backend per captured batch size): a captured graph reads
-            # the plan from the same addresses at every replay.
+        self.graph_only = use_cuda_graph
+        self.max_bs, self.max_pages = max_bs or 0, max_pages or 0
+        self.fixed_prefill = self.fixed_decode = None
+        if max_bs and max_pages:
+            # Fixed buffers: a captured graph reads the plan from the same addresses at every
+            # replay.
             i32 = dict(dtype=torch.int32, device=device)
             kv_indptr = torch.zeros(max_bs + 1, **i32)
             kv_indices = torch.zeros(max_pages, **i32)
             last = torch.zeros(max_bs, **i32)
-            pkw = dict(use_cuda_graph=True, qo_indptr_buf=torch.zeros(max_bs + 1, **i32),
-                       paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
-                       paged_kv_last_page_len_buf=last)
-            dkw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
-                       paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **pkw)
-        # Tensor cores pay off for grouped-query attention, the common layout.
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True, **dkw)
-        self._planned: tuple[int, str] | None = None
+            self.fixed_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(max_bs + 1, **i32), paged_kv_indptr_buf=kv_indptr,
+                paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last)
+            # Tensor cores pay off for grouped-query attention, the common layout.
+            self.fixed_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=True, use_cuda_graph=True,
+                paged_kv_indptr_buffer=kv_indptr, paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=last)
+        elif use_cuda_graph:
+            raise ValueError("a CUDA-graph backend needs max_bs and max_pages")
+        if not use_cuda_graph:
+            self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+            self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=True)
+        self._planned: tuple[int, object] | None = None
+        # The last plan: its batch layout key and wrapper. A denoise block runs the same
+        # layout step after step, so most steps skip the page table and the planning.
+        self._last: tuple[tuple, object] | None = None
 
     def prepare(self, forward_batch: ForwardBatch) -> None:
         # Planning needs the head counts, known at the first layer: plan lazily there,
@@ -82,14 +98,35 @@ class FlashInferBackend(AttentionBackend):
         self._planned = (id(fb), self._plan(fb, layer, dtype))
         fb.attn_metadata = "planned"
 
-    def _plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> str:
+    def _use_fixed(self, fb: ForwardBatch, num_pages: int) -> bool:
+        if self.graph_only:
+            return True
+        return (self.fixed_prefill is not None and fb.batch_size <= self.max_bs
+                and num_pages <= self.max_pages
+                and fb.mode in (ForwardMode.DLLM_EXTEND, ForwardMode.DECODE))
+
+    def _plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
+        """Plan the batch (or reuse the last plan, for the same layout); returns the wrapper
+        whose ``run`` every layer calls."""
+        if fb.layout_key is not None and self._last is not None and self._last[0] == fb.layout_key:
+            return self._last[1]
+        self._last = None
+        wrapper = self._plan_new(fb, layer, dtype)
+        if fb.layout_key is not None:
+            self._last = (fb.layout_key, wrapper)
+        return wrapper
+
+    def _plan_new(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
         table = build_page_table(fb, self.page_size)
+        fixed = self._use_fixed(fb, table.kv_indices.numel())
         common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
         if fb.mode is ForwardMode.DECODE:
-            self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
-                             num_qo_heads=layer.num_heads, head_dim=layer.head_dim, **common)
-            return "decode"
+            decode = self.fixed_decode if fixed else self.decode
+            decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
+                        num_qo_heads=layer.num_heads, head_dim=layer.head_dim, **common)
+            return decode
+        prefill = self.fixed_prefill if fixed else self.prefill
         mask = None
         causal = fb.attention_mask is AttentionMask.CAUSAL
         qo_indptr, kv_indptr, last = table.qo_indptr, table.kv_indptr, table.kv_last_page_len
@@ -98,10 +135,10 @@ class FlashInferBackend(AttentionBackend):
             # wants the indptr arrays there (a prompt prefill is never graph-captured).
             mask = block_causal_mask(fb)
             qo_indptr, kv_indptr, last = (t.to(self.device) for t in (qo_indptr, kv_indptr, last))
-        self.prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
-                          last, num_qo_heads=layer.num_heads,
-                          head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
-        return "prefill"
+        prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
+                     last, num_qo_heads=layer.num_heads,
+                     head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
+        return prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -114,5 +151,4 @@ class FlashInferBackend(AttentionBackend):
         k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
         shape = (-1, self.page_size, layer.num_kv_heads, layer.head_dim)
         cache = (k_buf.view(shape), v_buf.view(shape))
-        wrapper = self.decode if self._planned[1] == "decode" else self.prefill
-        return wrapper.run(q.contiguous(), cache)
+        return self._planned[1].run(q.contiguous(), cache)

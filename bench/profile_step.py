@@ -1,0 +1,109 @@
+"""Where one engine step's time goes, on a GPU: the kernels of a denoise (or decode) step and
+the host work around them, from ``torch.profiler``, for a random-weight model of real shape.
+
+    python bench/profile_step.py --model sdar-8b --batch-size 1 --runner cuda_graph
+
+Prints the top kernels by GPU time per step (with launches per step), the top host-side
+operators, and the step's wall time next to the sum of its kernel times (the difference is GPU
+idle time: host work the GPU waits for). Writes a Chrome trace and the tables under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline import SHAPES, checkpoint_dir  # noqa: E402
+
+
+def build(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
+          steps: int):
+    from dllm import LLM, SamplingParams
+
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda",
+              attention_backend=backend, disable_cuda_graph=not graph,
+              max_running_requests=bs, cuda_graph_max_bs=bs, context_length=4096,
+              algorithm="low_confidence_static", page_size=16, kv_cache_memory_gb=20)
+    e = llm.engine
+    diffusion = e.mask_token_id is not None
+    b = e.block_size
+    params = SamplingParams(max_new_tokens=steps * (b if diffusion else 1) + 2 * b,
+                            ignore_eos=True, dllm={"steps_per_block": b} if diffusion else {})
+    g = torch.Generator().manual_seed(0)
+    reqs = [e.make_request(torch.randint(100, 30000, (prompt_len,), generator=g).tolist(),
+                           params) for _ in range(bs)]
+    for r in reqs:
+        e.add_request(r)
+    while any(r.needs_prefill or r.req_pool_idx is None for r in reqs):
+        e.step()
+    for _ in range(3):
+        e.step()
+    torch.cuda.synchronize()
+    return llm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="sdar-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--runner", default="cuda_graph", choices=["cuda_graph", "eager"])
+    ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/profile_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.model}-bs{args.batch_size}-{args.runner}-{args.backend}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint_dir(args.model, Path(tmp))
+        llm = build(args.model, path, args.batch_size, args.runner == "cuda_graph",
+                    args.backend, args.prompt_len, 2 * args.steps + 10)
+        e = llm.engine
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            e.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                e.step()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / f"trace-{tag}.json"))
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(ev.name, []).append(ev.device_time_total)
+    n = args.steps
+    total = sum(sum(v) for v in kernels.values()) / n / 1e3
+    rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
+    lines = [f"# {tag}: step wall {wall * 1e3:.3f} ms (unprofiled), kernel time "
+             f"{total:.3f} ms/step, {sum(len(v) for v in kernels.values()) / n:.0f} "
+             "kernels/step", "", "| ms/step | share | launches/step | µs each | kernel |",
+             "|---|---|---|---|---|"]
+    for name, times in rows[: args.top]:
+        ms = sum(times) / n / 1e3
+        lines.append(f"| {ms:.3f} | {ms / total:.1%} | {len(times) / n:.0f} | "
+                     f"{sum(times) / len(times):.1f} | {name[:110]} |")
+    lines += ["", "Host operators (self CPU time):", "",
+              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)]
+    text = "\n".join(lines)
+    print(text)
+    (out / f"profile-{tag}.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

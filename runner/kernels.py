@@ -1,0 +1,75 @@
+"""Fused layer kernels from FlashInfer (GPU only; imported lazily, like the attention backend).
+
+``FlashInferOps`` implements ``dllm.models.ops.LayerOps`` with one kernel per op where the
+reference takes several: RMSNorm, residual add + RMSNorm (in place), per-head RMSNorm of the
+strided q/k slices of the fused projection, ``silu(gate) * up``, and RoPE of q and k together
+from a float32 cos/sin table indexed by position. Each kernel keeps float32 inside and rounds
+once, so results match the reference within the activation dtype's rounding. Dtypes
+FlashInfer has no kernel for (float32) take the reference path.
+"""
+
+from __future__ import annotations
+
+import flashinfer
+import torch
+from flashinfer.rope import _apply_rope_pos_ids_cos_sin_cache
+from flashinfer.utils import device_support_pdl
+from torch import nn
+
+from dllm.models.layers import RotaryEmbedding
+from dllm.models.ops import LayerOps
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class FlashInferOps(LayerOps):
+    name = "flashinfer"
+
+    def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
+        # Programmatic dependent launch lets a kernel's prologue overlap its predecessor's
+        # tail (Hopper and newer); decided once, not per call.
+        self.pdl = device_support_pdl(device)
+        # One cos/sin table per distinct rotary spec (every layer of a model shares one).
+        self.cos_sin: dict[object, torch.Tensor] = {}
+        for m in model.modules():
+            if isinstance(m, RotaryEmbedding) and m.spec not in self.cos_sin:
+                self.cos_sin[m.spec] = m.cos_sin_cache(max_positions).to(device)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype not in _HALF or x.dim() != 2 or weight.dtype != x.dtype:
+            return super().rms_norm(x, weight, eps)
+        return flashinfer.norm.rmsnorm(x, weight, eps, enable_pdl=self.pdl)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if (x.dtype not in _HALF or weight.dtype != x.dtype or residual.dtype != x.dtype
+                or x.dim() != 2 or not (x.is_contiguous() and residual.is_contiguous())):
+            return super().add_rms_norm(x, residual, weight, eps)
+        # In place: residual += x, then x = rms_norm(residual) * weight.
+        flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps, enable_pdl=self.pdl)
+        return x, residual
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype not in _HALF or weight.dtype != x.dtype or x.stride(-1) != 1:
+            return super().head_rms_norm(x, weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        flashinfer.norm.rmsnorm(x, weight, eps, out=out, enable_pdl=self.pdl)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _HALF or x.shape[-1] * x.element_size() % 32:
+            return super().silu_and_mul(x)
+        return flashinfer.activation.silu_and_mul(x, enable_pdl=self.pdl)
+
+    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
+             k: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.cos_sin.get(rotary.spec)
+        if table is None or q.dtype not in _HALF or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return super().rope(rotary, positions, q, k, memo)
+        t, h, d = q.shape
+        q_out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        if t:
+            # Non-interleaved (NeoX/HF ``rotate_half``) pairs; rotary_dim is the table's width.
+            _apply_rope_pos_ids_cos_sin_cache(q, k, q_out, k_out, table, positions, False)
+        return q_out.view(t, h * d), k_out.view(t, k.shape[1] * d)
