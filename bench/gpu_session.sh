@@ -19,7 +19,7 @@ if [ -f .jit/fi-jit.tgz ]; then mkdir -p "$FLASHINFER_WORKSPACE_BASE" && \
   find "$FLASHINFER_WORKSPACE_BASE/.cache" -exec touch {} +; fi
 trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs -n 4 tests/test_gpu.py \
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 tests/test_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.log"
 timeout "${BENCH_TIMEOUT:-400}" python3 bench/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 if [ -n "${PROFILE_ARGS:-}" ]; then  # e.g. PROFILE_ARGS="--model sdar-8b --batch-size 128"
