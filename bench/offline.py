@@ -103,11 +103,11 @@ def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict) -> tupl
     return float(total), float(2 * params * tokens + attn)
 
 
-def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
-               steps: int, ceilings: dict) -> dict:
+def warm_engine(path: str, bs: int, graph: bool, backend: str, prompt_len: int, steps: int):
+    """An ``LLM`` with ``bs`` requests past their prefill and 3 warm-up steps, with room for
+    ``steps`` more steps each (``ignore_eos``, one token per denoise step)."""
     from dllm import LLM, SamplingParams
 
-    arch, shape = SHAPES[name]
     llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda",
               attention_backend=backend, disable_cuda_graph=not graph,
               max_running_requests=bs, cuda_graph_max_bs=bs, context_length=4096,
@@ -115,10 +115,9 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     e = llm.engine
     diffusion = e.mask_token_id is not None
     b = e.block_size
-    per_req = steps * (b if diffusion else 1) + 2 * b
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_new_tokens=per_req, ignore_eos=True,
-                            dllm={"steps_per_block": b} if diffusion else {})
+    params = SamplingParams(max_new_tokens=steps * (b if diffusion else 1) + 2 * b,
+                            ignore_eos=True, dllm={"steps_per_block": b} if diffusion else {})
     reqs = [e.make_request(torch.randint(100, 30000, (prompt_len,), generator=g).tolist(),
                            params) for _ in range(bs)]
     for r in reqs:
@@ -130,6 +129,17 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
             raise RuntimeError(f"a request ended during prefill: {failed[0]}")
     for _ in range(3):  # warm-up steps
         e.step()
+    return llm
+
+
+def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
+               steps: int, ceilings: dict) -> dict:
+    arch, shape = SHAPES[name]
+    llm = warm_engine(path, bs, graph, backend, prompt_len, steps)
+    e = llm.engine
+    diffusion = e.mask_token_id is not None
+    b = e.block_size
+    per_req = steps * (b if diffusion else 1) + 2 * b
     torch.cuda.synchronize()
     t = time.perf_counter()
     n = 0

@@ -19,33 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline import SHAPES, checkpoint_dir  # noqa: E402
-
-
-def build(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
-          steps: int):
-    from dllm import LLM, SamplingParams
-
-    llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda",
-              attention_backend=backend, disable_cuda_graph=not graph,
-              max_running_requests=bs, cuda_graph_max_bs=bs, context_length=4096,
-              algorithm="low_confidence_static", page_size=16, kv_cache_memory_gb=20)
-    e = llm.engine
-    diffusion = e.mask_token_id is not None
-    b = e.block_size
-    params = SamplingParams(max_new_tokens=steps * (b if diffusion else 1) + 2 * b,
-                            ignore_eos=True, dllm={"steps_per_block": b} if diffusion else {})
-    g = torch.Generator().manual_seed(0)
-    reqs = [e.make_request(torch.randint(100, 30000, (prompt_len,), generator=g).tolist(),
-                           params) for _ in range(bs)]
-    for r in reqs:
-        e.add_request(r)
-    while any(r.needs_prefill or r.req_pool_idx is None for r in reqs):
-        e.step()
-    for _ in range(3):
-        e.step()
-    torch.cuda.synchronize()
-    return llm
+from offline import SHAPES, checkpoint_dir, warm_engine  # noqa: E402
 
 
 def main() -> int:
@@ -69,8 +43,8 @@ def main() -> int:
     tag = f"{args.model}-bs{args.batch_size}-{args.runner}-{args.backend}"
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint_dir(args.model, Path(tmp))
-        llm = build(args.model, path, args.batch_size, args.runner == "cuda_graph",
-                    args.backend, args.prompt_len, 2 * args.steps + 10)
+        llm = warm_engine(path, args.batch_size, args.runner == "cuda_graph", args.backend,
+                          args.prompt_len, 2 * args.steps + 10)
         e = llm.engine
         t0 = time.perf_counter()
         for _ in range(args.steps):
