@@ -100,7 +100,7 @@ class BlockDiffusionScheduler(Scheduler):
             blk = req.block
             batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
             batch.row_groups.append(req.algorithm)
-            editable.extend(int(e) for e in blk.editable)
+            editable += blk.editable  # bools: the registry stores them as 0/1
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
             step=[r.block.step for r in reqs],

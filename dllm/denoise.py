@@ -54,14 +54,30 @@ def denoise_inputs(registry: InputRegistry) -> None:
             registry.register(f"state.{key}", "reqs", torch.int64, 0)
 
 
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+
+
+def _row_settings(r: Req) -> dict[str, float | int]:
+    """A request's sampling settings and algorithm settings (``cfg.<key>``, strings by their
+    index among the choices, as ``stack_configs`` does) as numbers, computed once."""
+    if r.row_settings is None:
+        p = r.params
+        settings: dict[str, float | int] = {
+            "temperature": float(p.temperature), "top_k": p.effective_top_k,
+            "top_p": float(p.top_p), "seed": int(p.seed or 0)}
+        for key, v in r.algo_config.items():
+            spec = KEY_SPECS[key]
+            settings[f"cfg.{key}"] = (spec.choices.index(v) if spec.kind is str
+                                      and isinstance(v, str) else int(v) if spec.kind is bool
+                                      else v)
+        r.row_settings = settings
+    return r.row_settings
+
+
 def sampling_rows(reqs: list[Req]) -> dict[str, list]:
     """Per-row sampling settings (shared by every generation kind)."""
-    return {
-        "temperature": [float(r.params.temperature) for r in reqs],
-        "top_k": [r.params.effective_top_k for r in reqs],
-        "top_p": [float(r.params.top_p) for r in reqs],
-        "seed": [int(r.params.seed or 0) for r in reqs],
-    }
+    rows = [_row_settings(r) for r in reqs]
+    return {k: [s[k] for s in rows] for k in SAMPLING_KEYS}
 
 
 def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool]:
@@ -75,19 +91,13 @@ def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool]:
 
 
 def config_rows(reqs: list[Req]) -> dict[str, list]:
-    """Each row's algorithm settings as numbers, one list per key any row uses (strings by
-    their index among the choices, as ``stack_configs`` does)."""
-    keys = sorted({k for r in reqs for k in r.algo_config})
-    out: dict[str, list] = {}
-    for key in keys:
-        spec = KEY_SPECS[key]
-        values = []
-        for r in reqs:
-            v = r.algo_config.get(key, 0)
-            values.append(spec.choices.index(v) if spec.kind is str and isinstance(v, str)
-                          else int(v) if spec.kind is bool else v)
-        out[f"cfg.{key}"] = values
-    return out
+    """Each row's algorithm settings as numbers, one list per key any row uses (0 where a
+    row's algorithm has no such key)."""
+    rows = [_row_settings(r) for r in reqs]
+    keys: set[str] = set()
+    for s in rows:
+        keys.update(s)
+    return {k: [s.get(k, 0) for s in rows] for k in sorted(keys) if k.startswith("cfg.")}
 
 
 def state_rows(reqs: list[Req], device: torch.device) -> dict[str, torch.Tensor]:

@@ -70,6 +70,9 @@ class Req:
     embed_dimensions: int | None = None
     pool_state: dict[str, Any] = field(default_factory=dict)
     embedding: list[float] | None = None
+    # Per-row numbers of its sampling and algorithm settings (``dllm.denoise``), computed at
+    # the first step: they never change while the request runs.
+    row_settings: dict[str, float | int] | None = field(default=None, repr=False)
     # Full-attention diffusion (LLaDA, Dream; ``dllm.full_diffusion``): set for those requests
     # only. Their canvas is the prompt and ``max_new_tokens`` masks; ``block_size`` is the
     # request's own (blocks start at the prompt end).

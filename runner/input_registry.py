@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dllm.runner.forward_batch import ForwardBatch, ScheduledBatch
@@ -46,7 +47,7 @@ class InputRegistry:
         self.fields: dict[str, Field] = dict(CORE_FIELDS)
         self.buffers: dict[str, torch.Tensor] = {}
         self._arenas: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._rows: dict[str, int] = {}
+        self._host_rows: dict[str, np.ndarray] = {}  # numpy views of the host rows
         self._copied: torch.cuda.Event | None = None  # the last host→device copy (CUDA)
         self._alloc()
 
@@ -62,11 +63,11 @@ class InputRegistry:
             host = torch.empty((len(names), n), dtype=dtype, pin_memory=pin)
             for i, name in enumerate(names):
                 host[i].fill_(self.fields[name].pad)
-                self._rows[name] = i
             dev = host.to(self.device, copy=True)
             self._arenas[(axis, dtype)] = (host, dev)
             for i, name in enumerate(names):
                 self.buffers[name] = dev[i]
+                self._host_rows[name] = host[i].numpy()
 
     def register(self, name: str, axis: str, dtype: torch.dtype, pad: float = 0) -> None:
         """Declare a post-step input (e.g. an algorithm setting) before the first ``load``
@@ -83,12 +84,12 @@ class InputRegistry:
         self._alloc()
 
     def _stage(self, name: str, values: list, padded: int) -> None:
-        """Write host ``values`` and padding up to ``padded`` into the field's host row."""
-        host = self._arenas[(self.fields[name].axis, self.fields[name].dtype)][0]
-        row = host[self._rows[name]]
+        """Write host ``values`` and padding up to ``padded`` into the field's host row
+        (through numpy: a list converts several times faster than through a tensor)."""
+        row = self._host_rows[name]
         n = len(values)
         if n:
-            row[:n] = torch.as_tensor(values, dtype=row.dtype)
+            row[:n] = values
         if padded > n:
             row[n:padded] = self.fields[name].pad
 
