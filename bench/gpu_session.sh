@@ -27,3 +27,22 @@ if [ -n "${PROFILE_ARGS:-}" ]; then  # e.g. PROFILE_ARGS="--model sdar-8b --batc
   timeout "${PROFILE_TIMEOUT:-150}" python3 bench/profile_step.py --out "$OUT" $PROFILE_ARGS \
     2>&1 | tee "$OUT/profile.log"
 fi
+if [ -n "${ONLINE_MODEL:-}" ]; then  # e.g. ONLINE_MODEL=sdar-8b ONLINE_ARGS="--concurrency 32"
+  # The server's packages (fastapi, uvicorn, pydantic, ...) are not on the GPU image: carry
+  # them as wheels in .whl-server (see bench/NOTES.md).
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl-server/*.whl || exit 1
+  ckpt=$(python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
+from offline import checkpoint_dir; print(checkpoint_dir('$ONLINE_MODEL', Path('/tmp/ckpt')))")
+  python3 -m dllm.cli serve --model "$ckpt" --load-format dummy --port 8000 \
+    --context-length 4096 --max-running-requests "${ONLINE_MAX_RUNNING:-64}" \
+    > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do
+    curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1
+  done
+  # shellcheck disable=SC2086
+  timeout "${ONLINE_TIMEOUT:-200}" python3 bench/online.py --out "$OUT" ${ONLINE_ARGS:-} \
+    2>&1 | tee "$OUT/online.log"
+  kill "$server"
+fi

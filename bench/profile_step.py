@@ -3,23 +3,73 @@ the host work around them, from ``torch.profiler``, for a random-weight model of
 
     python bench/profile_step.py --model sdar-8b --batch-size 1 --runner cuda_graph
 
-Prints the top kernels by GPU time per step (with launches per step), the top host-side
-operators, and the step's wall time next to the sum of its kernel times (the difference is GPU
-idle time: host work the GPU waits for). Writes a Chrome trace and the tables under ``--out``.
+Prints the host time of each phase of a step (scheduling, loading the inputs, attention
+planning, launching, reading the result, applying it), the top kernels by GPU time per step
+(with launches per step), the top host-side operators, and the step's wall time next to the sum
+of its kernel times (the difference is GPU idle time: host work the GPU waits for). Writes a
+Chrome trace and the tables under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline import SHAPES, checkpoint_dir, warm_engine  # noqa: E402
+
+
+def time_phases(engine, steps: int) -> tuple[float, dict[str, float]]:
+    """Host seconds per step spent in each phase (timers around the engine's own methods,
+    no synchronisation added; ``read`` includes waiting for the GPU), and the step wall."""
+    from dllm.denoise import DenoisePost
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(label, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[label] += time.perf_counter() - t
+        return wrapper
+
+    sched = engine.scheduler
+    sched.schedule = timed("schedule", sched.schedule)
+    for name in ("apply_denoise", "apply_prefill", "apply_decode"):
+        if hasattr(sched, name):
+            setattr(sched, name, timed("apply (incl. read)", getattr(sched, name)))
+    for r in engine.runner.runners:
+        kind = type(r).__name__
+        r.load_batch = timed(f"{kind}.load_batch (incl. plan)", r.load_batch)
+        r.execute = timed(f"{kind}.execute", r.execute)
+        for b in [*getattr(r, "backends", {}).values()]:
+            b.plan = timed("attention plan", b.plan)
+    eager_backend = engine.runner.backend
+    if hasattr(eager_backend, "_plan"):  # the eager runner plans lazily, inside execute
+        eager_backend._plan = timed("attention plan (eager, inside execute)",
+                                    eager_backend._plan)
+    read = DenoisePost.read
+    DenoisePost.read = staticmethod(timed("read result (waits for the GPU)", read))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    finally:
+        DenoisePost.read = read
+    return wall, {k: v / steps for k, v in spent.items()}
 
 
 def main() -> int:
@@ -46,11 +96,7 @@ def main() -> int:
         llm = warm_engine(path, args.batch_size, args.runner == "cuda_graph", args.backend,
                           args.prompt_len, 2 * args.steps + 10)
         e = llm.engine
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            e.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps
+        wall, phases = time_phases(e, args.steps)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 e.step()
@@ -65,7 +111,9 @@ def main() -> int:
     rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
     lines = [f"# {tag}: step wall {wall * 1e3:.3f} ms (unprofiled), kernel time "
              f"{total:.3f} ms/step, {sum(len(v) for v in kernels.values()) / n:.0f} "
-             "kernels/step", "", "| ms/step | share | launches/step | µs each | kernel |",
+             "kernels/step", "", "| host phase | µs/step |", "|---|---|",
+             *(f"| {k} | {v * 1e6:.0f} |" for k, v in sorted(phases.items())),
+             "", "| ms/step | share | launches/step | µs each | kernel |",
              "|---|---|---|---|---|"]
     for name, times in rows[: args.top]:
         ms = sum(times) / n / 1e3
