@@ -51,3 +51,18 @@ def test_server_default_max_tokens_is_known_before_the_layout(tmp_path):
     assert req.params.max_new_tokens == DEFAULT_MAX_TOKENS
     assert req.block_size == 32  # LLaDA's default block, not a block of one token
     assert req.algo_config["steps_per_block"] == 32
+
+
+def test_cuda_graph_batch_sizes_flag_and_validation():
+    """``--cuda-graph-bs`` reaches the engine config sorted and without repeats; a size that
+    is not a positive integer is refused with a clear error."""
+    from dllm.cli import build_parser, engine_config_from_args
+    from dllm.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "--cuda-graph-bs", "8", "1", "4", "4"])
+    assert engine_config_from_args(args).cuda_graph_batch_sizes == (1, 4, 8)
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).cuda_graph_batch_sizes \
+        is None
+    for bad in ((), (0, 2), (1, True), (2.5,)):
+        with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+            EngineConfig(cuda_graph_batch_sizes=bad)
