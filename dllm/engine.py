@@ -107,11 +107,7 @@ class Engine:
         self.scheduler = self._make_scheduler(path)
         self.runner = ModelRunner(
             self.model, self.kv_pool, self.req_pool.req_to_token,
-            make_backend(cfg.attention_backend, self.device, cfg.page_size,
-                         max_bs=cfg.max_running_requests,
-                         max_pages=cfg.max_running_requests * -(-self.req_pool.max_context
-                                                                // cfg.page_size)),
-            self.device,
+            make_backend(cfg.attention_backend, self.device, cfg.page_size), self.device,
             max_bs=cfg.max_running_requests,
             max_tokens=max(cfg.max_prefill_tokens, cfg.max_running_requests * self.block_size),
         )

@@ -20,10 +20,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def make_backend(name: str, device: torch.device, page_size: int, max_bs: int | None = None,
-                 max_pages: int | None = None) -> AttentionBackend:
-    """``auto`` picks FlashInfer on CUDA when it is installed, else SDPA. ``max_bs`` and
-    ``max_pages`` bound the batches FlashInfer plans as a captured graph would."""
+def make_backend(name: str, device: torch.device, page_size: int) -> AttentionBackend:
+    """``auto`` picks FlashInfer on CUDA when it is installed, else SDPA."""
     name = resolve_backend_name(name, device)
     if name == "sdpa":
         return SDPABackend()
@@ -35,5 +33,5 @@ def make_backend(name: str, device: torch.device, page_size: int, max_bs: int | 
                              "(pip install 'dllm[gpu]')")
         from dllm.runner.attention.flashinfer import FlashInferBackend
 
-        return FlashInferBackend(device, page_size, max_bs=max_bs, max_pages=max_pages)
+        return FlashInferBackend(device, page_size)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, sdpa or flashinfer")

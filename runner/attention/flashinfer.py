@@ -46,38 +46,33 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, device: torch.device, page_size: int,
                  workspace: torch.Tensor | None = None, use_cuda_graph: bool = False,
                  max_bs: int | None = None, max_pages: int | None = None):
-        """``use_cuda_graph``: a backend of one captured batch size, planning only into fixed
-        buffers for ``max_bs`` rows and ``max_pages`` pages. Otherwise (the eager runner) a
-        general backend; given ``max_bs``/``max_pages`` it also keeps fixed-buffer wrappers and
-        plans ``DLLM_EXTEND`` and ``DECODE`` batches that fit with them, as a captured graph
-        plans them, so an eager step computes what a replay of the same batch computes (the
-        two planners may split the work differently, which changes the rounding)."""
+        """``use_cuda_graph``: a backend of one captured batch size, planning into fixed
+        buffers for exactly ``max_bs`` rows and at most ``max_pages`` pages (FlashInfer's
+        CUDA-graph wrappers refuse any other batch size). Otherwise a general backend (the
+        eager runner) for batches of any shape."""
         self.device = device
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.graph_only = use_cuda_graph
-        self.max_bs, self.max_pages = max_bs or 0, max_pages or 0
-        self.fixed_prefill = self.fixed_decode = None
-        if max_bs and max_pages:
+        if use_cuda_graph:
+            if not (max_bs and max_pages):
+                raise ValueError("a CUDA-graph backend needs max_bs and max_pages")
             # Fixed buffers: a captured graph reads the plan from the same addresses at every
             # replay.
             i32 = dict(dtype=torch.int32, device=device)
             kv_indptr = torch.zeros(max_bs + 1, **i32)
             kv_indices = torch.zeros(max_pages, **i32)
             last = torch.zeros(max_bs, **i32)
-            self.fixed_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(max_bs + 1, **i32), paged_kv_indptr_buf=kv_indptr,
                 paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last)
             # Tensor cores pay off for grouped-query attention, the common layout.
-            self.fixed_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True, use_cuda_graph=True,
                 paged_kv_indptr_buffer=kv_indptr, paged_kv_indices_buffer=kv_indices,
                 paged_kv_last_page_len_buffer=last)
-        elif use_cuda_graph:
-            raise ValueError("a CUDA-graph backend needs max_bs and max_pages")
-        if not use_cuda_graph:
+        else:
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True)
@@ -98,13 +93,6 @@ class FlashInferBackend(AttentionBackend):
         self._planned = (id(fb), self._plan(fb, layer, dtype))
         fb.attn_metadata = "planned"
 
-    def _use_fixed(self, fb: ForwardBatch, num_pages: int) -> bool:
-        if self.graph_only:
-            return True
-        return (self.fixed_prefill is not None and fb.batch_size <= self.max_bs
-                and num_pages <= self.max_pages
-                and fb.mode in (ForwardMode.DLLM_EXTEND, ForwardMode.DECODE))
-
     def _plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
         """Plan the batch (or reuse the last plan, for the same layout); returns the wrapper
         whose ``run`` every layer calls."""
@@ -118,15 +106,12 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_new(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
         table = build_page_table(fb, self.page_size)
-        fixed = self._use_fixed(fb, table.kv_indices.numel())
         common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
         if fb.mode is ForwardMode.DECODE:
-            decode = self.fixed_decode if fixed else self.decode
-            decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
-                        num_qo_heads=layer.num_heads, head_dim=layer.head_dim, **common)
-            return decode
-        prefill = self.fixed_prefill if fixed else self.prefill
+            self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
+                             num_qo_heads=layer.num_heads, head_dim=layer.head_dim, **common)
+            return self.decode
         mask = None
         causal = fb.attention_mask is AttentionMask.CAUSAL
         qo_indptr, kv_indptr, last = table.qo_indptr, table.kv_indptr, table.kv_last_page_len
@@ -135,10 +120,10 @@ class FlashInferBackend(AttentionBackend):
             # wants the indptr arrays there (a prompt prefill is never graph-captured).
             mask = block_causal_mask(fb)
             qo_indptr, kv_indptr, last = (t.to(self.device) for t in (qo_indptr, kv_indptr, last))
-        prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
-                     last, num_qo_heads=layer.num_heads,
-                     head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
-        return prefill
+        self.prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
+                          last, num_qo_heads=layer.num_heads,
+                          head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
+        return self.prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 forward_batch: ForwardBatch) -> torch.Tensor:
