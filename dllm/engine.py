@@ -205,6 +205,10 @@ class Engine:
                      cfg.max_running_requests, 256)
         sizes = ([s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_running_requests]
                  if cfg.cuda_graph_batch_sizes else capture_sizes(max_bs))
+        if cfg.cuda_graph_batch_sizes and len(sizes) < len(cfg.cuda_graph_batch_sizes):
+            logger.warning("CUDA graphs: batch sizes above max_running_requests=%d are not "
+                           "captured (asked for %s)", cfg.max_running_requests,
+                           list(cfg.cuda_graph_batch_sizes))
         if not sizes:
             return
         graphs = CudaGraphRunner(
