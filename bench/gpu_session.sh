@@ -19,6 +19,11 @@ if [ -f .jit/fi-jit.tgz ]; then mkdir -p "$FLASHINFER_WORKSPACE_BASE" && \
   find "$FLASHINFER_WORKSPACE_BASE/.cache" -exec touch {} +; fi
 trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# How long a fresh process takes to import FlashInfer and load (or build) one JIT module: the
+# GPU tests were slow even with the cache present (bench/NOTES.md).
+timeout 300 python3 -c "import time; t = time.time(); import flashinfer; \
+print(f'import flashinfer: {time.time() - t:.1f} s'); from flashinfer.norm import get_norm_module; \
+t = time.time(); get_norm_module(); print(f'norm module: {time.time() - t:.1f} s')"
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 tests/test_gpu.py \
   2>&1 | tee "$OUT/gpu-tests.log"
 timeout "${BENCH_TIMEOUT:-400}" python3 bench/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
