@@ -17,6 +17,7 @@ from dllm.engine import Engine, Prompt, embed_inputs
 from dllm.outputs import EmbeddingOutput, RequestOutput, StreamChunk
 from dllm.request import FinishReason, Req
 from dllm.sampling_params import SamplingParams
+from dllm.stop import IncrementalText
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class _Stream:
     sent_text: str = ""
     sent_tokens: int = 0
     rejected: bool = False  # never entered the engine: leaving must not abort its rid
+    text: IncrementalText | None = None  # the output's text so far, decoded incrementally
 
 
 class AsyncLLM:
@@ -204,11 +206,16 @@ class AsyncLLM:
         req = stream.req
         checker = self.engine.scheduler.stop_checker
         finished = req.finished
-        if finished:
+        if finished:  # the exact text, decoded whole once
             text = checker.output_text(req)
         else:
-            text = _stable_prefix(checker.decode(req.output_ids), req.params.stop)
+            if stream.text is None:
+                stream.text = IncrementalText(checker.decode)
+            text = _stable_prefix(stream.text.update(req.output_ids), req.params.stop)
         delta_text = text[len(stream.sent_text):] if text.startswith(stream.sent_text) else ""
+        if finished and not text.startswith(stream.sent_text):
+            logger.warning("request %s: the streamed text is not a prefix of the final text",
+                           req.rid)
         if delta_text:
             stream.sent_text = text
         delta_ids = req.output_ids[stream.sent_tokens:]

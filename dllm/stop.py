@@ -3,6 +3,7 @@ searched over a whole committed block, output cut after the first stop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dllm.request import FinishReason, Req
@@ -69,3 +70,30 @@ class StopChecker:
             if at != -1:
                 text = text[:at]
         return text
+
+
+class IncrementalText:
+    """The text of a growing token list, decoding only its newest tokens (the prefix/read
+    offsets of vLLM's and TGI's incremental detokenizers), so streaming a long output costs
+    O(block) per block instead of a decode of the whole output.
+
+    ``update(ids)`` decodes the tokens past the last read point together with the tokens
+    read at the previous update (context, so a tokenizer's treatment of a sequence's first
+    token stays out of the new text) and appends what the new tokens add. While the newest
+    text ends in an incomplete UTF-8 character (``\ufffd``) nothing is appended, so ``text``
+    is always a prefix of the full decode."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.text = ""
+        self._prefix = 0  # first token of the context window
+        self._read = 0  # tokens whose text is in ``text``
+
+    def update(self, ids: list[int]) -> str:
+        if len(ids) > self._read:
+            prefix_text = self.decode(ids[self._prefix : self._read])
+            new_text = self.decode(ids[self._prefix :])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                self.text += new_text[len(prefix_text) :]
+                self._prefix, self._read = self._read, len(ids)
+        return self.text
