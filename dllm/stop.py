@@ -36,7 +36,10 @@ class StopChecker:
                 cut, reason, matched = i + 1, FinishReason.STOP, t
                 break
         if p.stop:
-            hit = self._first_stop_string(req.output_ids, new_tokens[:cut], p.stop)
+            if req.stop_text is None:
+                req.stop_text = IncrementalText(self.decode)
+            hit = self._first_stop_string(req.stop_text, req.output_ids, new_tokens[:cut],
+                                          p.stop)
             if hit is not None:
                 cut, reason, matched = hit[0], FinishReason.STOP, hit[1]
         room = p.max_new_tokens - len(req.output_ids)
@@ -44,19 +47,34 @@ class StopChecker:
             return StopResult(new_tokens[:room], FinishReason.LENGTH)
         return StopResult(new_tokens[:cut], reason, matched)
 
-    def _first_stop_string(self, prev: list[int], new: list[int],
+    def _first_stop_string(self, prev_text: IncrementalText, prev: list[int], new: list[int],
                            stops: list[str]) -> tuple[int, str] | None:
         """Fewest tokens of ``new`` after which the output text contains a stop string that it
         did not contain before, and that string: the one completed first (as vLLM), and of
-        several completed by the same token, the one that starts first."""
+        several completed by the same token, the one that starts first.
+
+        Only the end of the text can hold a new stop string, so this decodes a window: the
+        last ``len(longest stop) - 1`` characters of ``prev``'s text (``prev_text``, kept
+        incrementally) and the text of the tokens after its read point, decoded with the
+        tokens before it as context (as ``IncrementalText`` does). That is the same text as
+        the whole decode's end, at O(block) cost per block."""
         if not new:
             return None
+        longest = max(len(s) for s in stops)
+        base = prev_text.update(prev)
+        start, read = prev_text.window
+        context_len = len(self.decode(prev[start:read]))
+
+        def window(k: int) -> str:  # the end of the text of ``prev + new[:k]``
+            keep = base[max(0, len(base) - longest + 1) :] if longest > 1 else ""
+            return keep + self.decode(prev[start:] + new[:k])[context_len:]
+
         # Only occurrences that end in the new text count; earlier ones ended the output.
-        horizon = max(0, len(self.decode(prev)) - max(len(s) for s in stops) + 1)
-        if not any(s in self.decode(prev + new)[horizon:] for s in stops):
+        horizon = max(0, len(window(0)) - longest + 1)
+        if not any(s in window(len(new))[horizon:] for s in stops):
             return None
         for k in range(1, len(new) + 1):
-            text = self.decode(prev + new[:k])[horizon:]
+            text = window(k)[horizon:]
             hits = [(text.find(s), s) for s in stops if s in text]
             if hits:
                 return k, min(hits)[1]
@@ -88,6 +106,11 @@ class IncrementalText:
         self.text = ""
         self._prefix = 0  # first token of the context window
         self._read = 0  # tokens whose text is in ``text``
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """(first context token, read point): ``text`` is the text of ``ids[:read]``."""
+        return self._prefix, self._read
 
     def update(self, ids: list[int]) -> str:
         if len(ids) > self._read:
