@@ -78,7 +78,9 @@ class BlockDiffusionScheduler(Scheduler):
     def _start_block(self, req: Req) -> None:
         b = req.block_size
         start = req.committed_len // b * b
-        known = [*req.prompt_ids, *req.output_ids][start:]
+        p = req.prompt_len  # the known tokens from ``start`` on, without copying the rest
+        known = (req.output_ids[start - p :] if start >= p
+                 else [*req.prompt_ids[start:], *req.output_ids])
         req.block = BlockState(
             start=start,
             tokens=known + [self.config.mask_token_id] * (b - len(known)),
