@@ -388,3 +388,11 @@ def test_sampling_is_batch_invariant_on_cuda():
         assert torch.equal(alone.x0[0], full.x0[r])
         assert torch.equal(alone.confidence[0], full.confidence[r])
         assert torch.equal(alone.logprobs[0], full.logprobs[r])
+
+
+def test_fixed_order_sum_tree_is_the_documented_one():
+    """Halves added pairwise, an odd last entry carried up: for five entries
+    ((x0 + x2) + (x1 + x3)) + x4, in float32, whatever the batch."""
+    x = torch.tensor([[1e8, 1.0, -1e8, 3.0, 0.5], [0.1, 0.2, 0.3, 0.4, 0.5]])
+    want = torch.stack([((r[0] + r[2]) + (r[1] + r[3])) + r[4] for r in x])
+    assert torch.equal(fixed_order_sum(x), want)

@@ -17,14 +17,17 @@ _CHUNK = 256
 
 
 def fixed_order_sum(x: Tensor) -> Tensor:
-    """Sum over the last dim as a pairwise tree (zero-padded to a power of two)."""
-    n = x.shape[-1]
-    size = 1 if n <= 1 else 1 << (n - 1).bit_length()
-    if size != n:
-        x = F.pad(x, (0, size - n))
+    """Sum over the last dim as a pairwise tree: each level adds the second half of the
+    entries to the first, an odd last entry carried up as it is. The tree depends on the
+    length alone. (No padding to a power of two: for a 151936-token vocabulary that would
+    move 1.7× the data through every level.)"""
+    if x.shape[-1] == 0:
+        return x.sum(-1)
     while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
+        n = x.shape[-1]
+        half = n // 2
+        head = x[..., :half] + x[..., half : 2 * half]
+        x = head if n % 2 == 0 else torch.cat([head, x[..., 2 * half :]], dim=-1)
     return x[..., 0]
 
 
