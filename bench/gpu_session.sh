@@ -43,8 +43,11 @@ from offline import checkpoint_dir; print(checkpoint_dir('$ONLINE_MODEL', Path('
     --context-length 4096 --max-running-requests "${ONLINE_MAX_RUNNING:-64}" \
     > "$OUT/server.log" 2>&1 &
   server=$!
-  for _ in $(seq 300); do
-    curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1
+  for _ in $(seq 300); do  # until the server answers (model load and graph capture)
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', \
+timeout=1)" 2>/dev/null && break
+    kill -0 "$server" 2>/dev/null || break  # the server died: its log says why
+    sleep 1
   done
   # shellcheck disable=SC2086
   timeout "${ONLINE_TIMEOUT:-200}" python3 bench/online.py --out "$OUT" ${ONLINE_ARGS:-} \
