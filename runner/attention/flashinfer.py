@@ -76,7 +76,7 @@ class FlashInferBackend(AttentionBackend):
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True)
-        self._planned: tuple[int, object] | None = None
+        self._planned: object | None = None  # the wrapper planned for this forward
         # The last plan: its batch layout key and wrapper. A denoise block runs the same
         # layout step after step, so most steps skip the page table and the planning.
         self._last: tuple[tuple, object] | None = None
@@ -90,7 +90,7 @@ class FlashInferBackend(AttentionBackend):
 
     def plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> None:
         """Plan now (outside a graph capture) and mark the batch as planned."""
-        self._planned = (id(fb), self._plan(fb, layer, dtype))
+        self._planned = self._plan(fb, layer, dtype)
         fb.attn_metadata = "planned"
 
     def _plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
@@ -132,8 +132,8 @@ class FlashInferBackend(AttentionBackend):
             return q.new_empty(q.shape)
         fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if self._planned is None:
-            self._planned = (id(fb), self._plan(fb, layer, q.dtype))
+            self._planned = self._plan(fb, layer, q.dtype)
         k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
         shape = (-1, self.page_size, layer.num_kv_heads, layer.head_dim)
         cache = (k_buf.view(shape), v_buf.view(shape))
-        return self._planned[1].run(q.contiguous(), cache)
+        return self._planned.run(q.contiguous(), cache)
