@@ -17,7 +17,6 @@ from dllm.engine import Engine, Prompt, embed_inputs
 from dllm.outputs import EmbeddingOutput, RequestOutput, StreamChunk
 from dllm.request import FinishReason, Req
 from dllm.sampling_params import SamplingParams
-from dllm.stop import IncrementalText
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,6 @@ class _Stream:
     sent_text: str = ""
     sent_tokens: int = 0
     rejected: bool = False  # never entered the engine: leaving must not abort its rid
-    text: IncrementalText | None = None  # the output's text so far, decoded incrementally
 
 
 class AsyncLLM:
@@ -209,9 +207,7 @@ class AsyncLLM:
         if finished:  # the exact text, decoded whole once
             text = checker.output_text(req)
         else:
-            if stream.text is None:
-                stream.text = IncrementalText(checker.decode)
-            text = _stable_prefix(stream.text.update(req.output_ids), req.params.stop)
+            text = _stable_prefix(checker.text_of(req).update(req.output_ids), req.params.stop)
         delta_text = text[len(stream.sent_text):] if text.startswith(stream.sent_text) else ""
         if finished and not text.startswith(stream.sent_text):
             logger.warning("request %s: the streamed text is not a prefix of the final text",

@@ -73,8 +73,9 @@ class Req:
     # Per-row numbers of its sampling and algorithm settings (``dllm.denoise``), computed at
     # the first step: they never change while the request runs.
     row_settings: dict[str, float | int] | None = field(default=None, repr=False)
-    # The output's text for the stop-string search (``dllm.stop.IncrementalText``).
-    stop_text: Any = field(default=None, repr=False)
+    # The output's text, decoded incrementally (``StopChecker.text_of``): shared by the
+    # stop-string search and streaming.
+    text: Any = field(default=None, repr=False)
     # Full-attention diffusion (LLaDA, Dream; ``dllm.full_diffusion``): set for those requests
     # only. Their canvas is the prompt and ``max_new_tokens`` masks; ``block_size`` is the
     # request's own (blocks start at the prompt end).

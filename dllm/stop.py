@@ -24,6 +24,13 @@ class StopChecker:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def text_of(self, req: Req) -> IncrementalText:
+        """The request's incrementally decoded output text (made at first use); callers
+        ``update`` it with the output so far."""
+        if req.text is None:
+            req.text = IncrementalText(self.decode)
+        return req.text
+
     def check(self, req: Req, new_tokens: list[int]) -> StopResult:
         """What of ``new_tokens`` (the block's generated tokens, in order) to keep."""
         p = req.params
@@ -36,9 +43,7 @@ class StopChecker:
                 cut, reason, matched = i + 1, FinishReason.STOP, t
                 break
         if p.stop:
-            if req.stop_text is None:
-                req.stop_text = IncrementalText(self.decode)
-            hit = self._first_stop_string(req.stop_text, req.output_ids, new_tokens[:cut],
+            hit = self._first_stop_string(self.text_of(req), req.output_ids, new_tokens[:cut],
                                           p.stop)
             if hit is not None:
                 cut, reason, matched = hit[0], FinishReason.STOP, hit[1]
