@@ -16,6 +16,48 @@ from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, 
 from dllm.testing.harness import forward_full
 
 
+def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingTensors:
+    return SamplingTensors(
+        temperature=torch.tensor([temperature], dtype=torch.float32),
+        top_k=torch.tensor([top_k]),
+        top_p=torch.tensor([top_p], dtype=torch.float32),
+        seed=torch.tensor([seed]),
+    )
+
+
+def _denoise_block(model: torch.nn.Module, seq: list[int], *, block_size: int, mask_id: int,
+                   algo, cfg: dict, sampling: SamplingTensors, shift: bool) -> list[int]:
+    """Denoise the block holding the end of ``seq`` (its known tokens fixed, the rest masks)
+    until the algorithm says done, recomputing the whole sequence block-causally at every
+    step; ``shift``: position i reads the logits of position i-1 (position 0 its own).
+    Returns the block's tokens."""
+    b = block_size
+    start = len(seq) // b * b
+    fixed = len(seq) - start
+    block = seq[start:] + [mask_id] * (b - fixed)
+    editable = torch.tensor([[False] * fixed + [True] * (b - fixed)])
+    state = {k: torch.zeros(1, dtype=torch.int64) for k in algo.state_keys}
+    step = 0
+    while True:
+        logits = forward_full(model, seq[:start] + block, AttentionMask.BLOCK_CAUSAL, b)[start:]
+        if shift:
+            logits = torch.cat([logits[:1], logits[:-1]])
+        res = algo.step(DenoiseInput(
+            logits=logits[None], tokens=torch.tensor([block]), editable=editable,
+            mask_id=mask_id, step=torch.tensor([step]),
+            num_initial_masks=torch.tensor([b - fixed]),
+            positions=torch.arange(start, start + b)[None], sampling=sampling,
+            config=algo.stack_configs([cfg], torch.device("cpu")), state=state,
+        ))
+        block = res.tokens[0].tolist()
+        state = res.state
+        step += 1
+        if bool(res.done[0]):
+            break
+    assert block[:fixed] == seq[start:], "a fixed position was changed"
+    return block
+
+
 def naive_block_diffusion(
     model: torch.nn.Module,
     prompt: list[int],
@@ -33,41 +75,14 @@ def naive_block_diffusion(
 ) -> list[int]:
     algo = get_algorithm(algorithm)
     cfg = algo.validate(algo_config, block_size)
+    sampling = _sampling(temperature, top_k, top_p, seed)
     seq = list(prompt)
     out: list[int] = []
     while True:
         start = len(seq) // block_size * block_size
         fixed = len(seq) - start
-        block = seq[start:] + [mask_id] * (block_size - fixed)
-        editable = torch.tensor([[False] * fixed + [True] * (block_size - fixed)])
-        state = {k: torch.zeros(1, dtype=torch.int64) for k in algo.state_keys}
-        step = 0
-        while True:
-            logits = forward_full(model, seq[:start] + block, AttentionMask.BLOCK_CAUSAL,
-                                  block_size)[start:]
-            res = algo.step(DenoiseInput(
-                logits=logits[None],
-                tokens=torch.tensor([block]),
-                editable=editable,
-                mask_id=mask_id,
-                step=torch.tensor([step]),
-                num_initial_masks=torch.tensor([block_size - fixed]),
-                positions=torch.arange(start, start + block_size)[None],
-                sampling=SamplingTensors(
-                    temperature=torch.tensor([temperature], dtype=torch.float32),
-                    top_k=torch.tensor([top_k]),
-                    top_p=torch.tensor([top_p], dtype=torch.float32),
-                    seed=torch.tensor([seed]),
-                ),
-                config=algo.stack_configs([cfg], torch.device("cpu")),
-                state=state,
-            ))
-            block = res.tokens[0].tolist()
-            state = res.state
-            step += 1
-            if bool(res.done[0]):
-                break
-        assert block[:fixed] == seq[start:], "a prompt position was changed"
+        block = _denoise_block(model, seq, block_size=block_size, mask_id=mask_id, algo=algo,
+                               cfg=cfg, sampling=sampling, shift=False)
         seq = seq[:start] + block
         for t in block[fixed:]:
             out.append(t)
@@ -78,15 +93,6 @@ def naive_block_diffusion(
 # ---- full-attention models (LLaDA, Dream) and Fast-dLLM v2 -----------------------------------
 # The Fast-dLLM cache modes are defined by what they cache, so their reference keeps one
 # sequence's KV (``_SequenceKV``): still one request at a time, no scheduler, no batching.
-
-
-def _sampling(temperature: float, top_k: int, top_p: float, seed: int) -> SamplingTensors:
-    return SamplingTensors(
-        temperature=torch.tensor([temperature], dtype=torch.float32),
-        top_k=torch.tensor([top_k]),
-        top_p=torch.tensor([top_p], dtype=torch.float32),
-        seed=torch.tensor([seed]),
-    )
 
 
 class _SequenceKV:
@@ -236,31 +242,12 @@ def naive_fast_dllm_v2(
         seq.append(next_token())
         if emit(seq[-1:]):
             return out
+    sampling = _sampling(temperature, top_k, top_p, seed)
     while True:
         start = len(seq) // b * b
         fixed = len(seq) - start
-        block = seq[start:] + [mask_id] * (b - fixed)
-        editable = torch.tensor([[False] * fixed + [True] * (b - fixed)])
-        state = {k: torch.zeros(1, dtype=torch.int64) for k in algo.state_keys}
-        step = 0
-        while True:
-            logits = forward_full(model, seq[:start] + block, AttentionMask.BLOCK_CAUSAL,
-                                  b)[start:]
-            logits = torch.cat([logits[:1], logits[:-1]])
-            res = algo.step(DenoiseInput(
-                logits=logits[None], tokens=torch.tensor([block]), editable=editable,
-                mask_id=mask_id, step=torch.tensor([step]),
-                num_initial_masks=torch.tensor([b - fixed]),
-                positions=torch.arange(start, start + b)[None],
-                sampling=_sampling(temperature, top_k, top_p, seed),
-                config=algo.stack_configs([cfg], torch.device("cpu")), state=state,
-            ))
-            block = res.tokens[0].tolist()
-            state = res.state
-            step += 1
-            if bool(res.done[0]):
-                break
-        assert block[:fixed] == seq[start:], "a fixed position was changed"
+        block = _denoise_block(model, seq, block_size=b, mask_id=mask_id, algo=algo, cfg=cfg,
+                               sampling=sampling, shift=True)
         seq = seq[:start] + block
         if emit(block[fixed:]):
             return out
