@@ -8,7 +8,7 @@ import torch
 from dllm import LLM, SamplingParams
 from dllm.request import FinishReason
 from dllm.runner.forward_batch import ForwardMode
-from dllm.testing.harness import forbid_host_sync, run_staggered
+from dllm.testing.harness import fail_on_token, forbid_host_sync, run_staggered
 from tests.naive_reference import naive_block_diffusion
 
 B = 4  # SDAR's block size
@@ -159,17 +159,10 @@ def test_error_in_one_request_spares_the_others(llm):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     alone = [llm.generate(p, params)[0].token_ids for p in good_prompts]
 
-    def fail_on_poison(module, args):
-        if (args[0] == poison).any():
-            raise RuntimeError("injected failure")
-
-    handle = e.model.register_forward_pre_hook(fail_on_poison)
-    try:
+    with fail_on_token(e.model, poison):
         reqs = [e.make_request(p, params) for p in [good_prompts[0], [poison] * 6,
                                                      good_prompts[1]]]
         outs = e.run_to_completion(reqs)
-    finally:
-        handle.remove()
     assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids] == alone
     e.check_memory()

@@ -9,7 +9,7 @@ import torch
 from dllm import LLM, SamplingParams
 from dllm.request import FinishReason
 from dllm.testing import make_tiny_checkpoint
-from dllm.testing.harness import forbid_host_sync, run_staggered
+from dllm.testing.harness import fail_on_token, forbid_host_sync, run_staggered
 from tests.naive_reference import naive_full_diffusion
 
 ARCHS = {"llada": "LLaDAModelLM", "llada_moe": "LLaDAMoEModelLM", "dream": "DreamModel"}
@@ -243,17 +243,10 @@ def test_error_in_one_request_spares_the_others(engines):
                              dllm={"block_size": 4, "cfg_scale": 1.0})]
     alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(good, params, strict=True)]
 
-    def fail_on_poison(module, args):
-        if (args[0] == poison).any():
-            raise RuntimeError("injected failure")
-
-    handle = e.model.register_forward_pre_hook(fail_on_poison)
-    try:
+    with fail_on_token(e.model, poison):
         reqs = [e.make_request(good[0], params[0]), e.make_request([poison] * 5, params[0]),
                 e.make_request(good[1], params[1])]
         outs = e.run_to_completion(reqs)
-    finally:
-        handle.remove()
     assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids] == alone
     e.check_memory()
@@ -332,17 +325,11 @@ def test_cfg_request_whose_forward_always_fails_ends_with_an_error(engines):
     req = e.make_request(prompt_of(5, salt=8), SamplingParams(
         max_new_tokens=8, ignore_eos=True, dllm={"block_size": 4, "cfg_scale": 1.0}))
 
-    def always_fail(module, args):
-        raise RuntimeError("injected failure")
-
-    handle = e.model.register_forward_pre_hook(always_fail)
-    try:
+    with fail_on_token(e.model, None):
         e.add_request(req)
         for _ in range(5):
             e.step()
             if req.finished:
                 break
-    finally:
-        handle.remove()
     assert req.finish_reason is FinishReason.ERROR and "injected failure" in req.error
     e.check_memory()

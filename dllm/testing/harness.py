@@ -143,3 +143,20 @@ def forbid_host_sync() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+
+
+@contextmanager
+def fail_on_token(model: torch.nn.Module, token: int | None) -> Iterator[None]:
+    """Inside, a forward of ``model`` whose input ids contain ``token`` (every forward, for
+    ``None``) raises ``RuntimeError("injected failure")``: a request-specific failure, to
+    show the engine finishes only that request."""
+
+    def fail(module: torch.nn.Module, args: tuple) -> None:
+        if token is None or (args[0] == token).any():
+            raise RuntimeError("injected failure")
+
+    handle = model.register_forward_pre_hook(fail)
+    try:
+        yield
+    finally:
+        handle.remove()
