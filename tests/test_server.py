@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,21 @@ def _stop(server: Server) -> None:
         server.proc.wait()
 
 
+@contextmanager
+def running_servers(logs: Path, *specs: tuple[str, str, tuple[str, ...]]
+                    ) -> Iterator[list[Server]]:
+    """Servers of ``(model, name, extra flags)`` started at once (their start-ups overlap),
+    yielded once all of them answer, stopped on the way out."""
+    servers = [_start(model, logs / f"{name}.log", *extra) for model, name, extra in specs]
+    try:
+        for server in servers:
+            _wait_ready(server)
+        yield servers
+    finally:
+        for server in servers:
+            _stop(server)
+
+
 @pytest.fixture(scope="module")
 def long_sdar_dir(tmp_path_factory) -> str:
     """A tiny SDAR with a long context, so that a request can run long enough to be
@@ -90,17 +107,12 @@ def long_sdar_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def servers(long_sdar_dir, tmp_path_factory):
     """Both servers start at once (their start-up overlaps); one without and one with a key."""
-    logs = tmp_path_factory.mktemp("server-logs")
-    plain = _start(long_sdar_dir, logs / "plain.log", "--num-kv-pages", "2048")
-    keyed = _start(long_sdar_dir, logs / "keyed.log", "--api-key", API_KEY,
-                   "--served-model-name", "keyed-model", "--num-kv-pages", "256")
-    try:
-        _wait_ready(plain)
-        _wait_ready(keyed)
+    with running_servers(
+            tmp_path_factory.mktemp("server-logs"),
+            (long_sdar_dir, "plain", ("--num-kv-pages", "2048")),
+            (long_sdar_dir, "keyed", ("--api-key", API_KEY, "--served-model-name", "keyed-model",
+                                      "--num-kv-pages", "256"))) as (plain, keyed):
         yield plain, keyed
-    finally:
-        _stop(plain)
-        _stop(keyed)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from dllm import LLM, AsyncLLM
 from dllm.testing import make_tiny_checkpoint
 from tests.test_embeddings import sentence_transformers_layout
-from tests.test_server import MAX_REQUEST_BYTES, _start, _stop, _wait_ready, assert_error, wait_idle
+from tests.test_server import MAX_REQUEST_BYTES, assert_error, running_servers, wait_idle
 
 API_KEY = "embed-key"
 NAME = "tiny-embed"
@@ -39,17 +39,12 @@ def servers(dirs, tmp_path_factory):
     """An embedding server (``--task embed``, with a key) and a generate server on the plain
     checkpoint; they start together."""
     base, st = dirs
-    logs = tmp_path_factory.mktemp("server-emb-logs")
-    embed = _start(st, logs / "embed.log", "--task", "embed", "--api-key", API_KEY,
-                   "--served-model-name", NAME, "--num-kv-pages", "256")
-    generate = _start(base, logs / "generate.log", "--num-kv-pages", "256")
-    try:
-        _wait_ready(embed)
-        _wait_ready(generate)
+    with running_servers(
+            tmp_path_factory.mktemp("server-emb-logs"),
+            (st, "embed", ("--task", "embed", "--api-key", API_KEY, "--served-model-name", NAME,
+                           "--num-kv-pages", "256")),
+            (base, "generate", ("--num-kv-pages", "256"))) as (embed, generate):
         yield embed, generate
-    finally:
-        _stop(embed)
-        _stop(generate)
 
 
 @pytest.fixture(scope="module")
