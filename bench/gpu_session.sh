@@ -24,14 +24,21 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 300 python3 -c "import time; t = time.time(); import flashinfer; \
 print(f'import flashinfer: {time.time() - t:.1f} s'); from flashinfer.norm import get_norm_module; \
 t = time.time(); get_norm_module(); print(f'norm module: {time.time() - t:.1f} s')"
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 tests/test_gpu.py \
-  2>&1 | tee "$OUT/gpu-tests.log"
-timeout "${BENCH_TIMEOUT:-400}" python3 bench/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-if [ -n "${PROFILE_ARGS:-}" ]; then  # e.g. PROFILE_ARGS="--model sdar-8b --batch-size 128"
-  # shellcheck disable=SC2086
-  timeout "${PROFILE_TIMEOUT:-150}" python3 bench/profile_step.py --out "$OUT" $PROFILE_ARGS \
-    2>&1 | tee "$OUT/profile.log"
+if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0 skips the GPU tests
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 \
+    tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
 fi
+if [ $# -gt 0 ]; then  # the offline benchmark's arguments; none skips it
+  timeout "${BENCH_TIMEOUT:-400}" python3 bench/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+# One profile per ';'-separated argument list, e.g.
+# PROFILE_ARGS="--model sdar-8b --batch-size 128; --model sdar-8b --batch-size 1"
+IFS=';' read -ra profiles <<< "${PROFILE_ARGS:-}"
+for i in "${!profiles[@]}"; do
+  # shellcheck disable=SC2086
+  timeout "${PROFILE_TIMEOUT:-150}" python3 bench/profile_step.py --out "$OUT" ${profiles[$i]} \
+    2>&1 | tee "$OUT/profile-$i.log"
+done
 if [ -n "${ONLINE_MODEL:-}" ]; then  # e.g. ONLINE_MODEL=sdar-8b ONLINE_ARGS="--concurrency 32"
   # The server's packages (fastapi, uvicorn, pydantic, ...) are not on the GPU image: carry
   # them as wheels in .whl-server (see bench/NOTES.md).
