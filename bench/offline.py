@@ -8,6 +8,10 @@ schedule, so the figures do not depend on random-weight confidences); a step is 
 ``DLLM_EXTEND`` forward of ``bs × block_size`` tokens with the unmasking step. Autoregressive
 models run ``DECODE`` steps. Weights are random (``load_format="dummy"``), built on the GPU.
 
+Each case times the same warm engine twice: the plain host loop (each step's result read
+before the next step is queued) and the overlapped one (the default on CUDA); ``step ms`` and
+the ratios are the overlapped loop's.
+
 Floors: weight bytes read per step ÷ measured HBM bandwidth (a device-to-device copy), and
 FLOPs per step ÷ measured bf16 matmul rate (8192³). Writes ``bench/results/offline-*.md`` and
 ``.json`` with the GPU name, driver, torch and flashinfer versions.
@@ -135,19 +139,25 @@ def warm_engine(path: str, bs: int, graph: bool, backend: str, prompt_len: int, 
 def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
                steps: int, ceilings: dict) -> dict:
     arch, shape = SHAPES[name]
-    llm = warm_engine(path, bs, graph, backend, prompt_len, steps)
+    llm = warm_engine(path, bs, graph, backend, prompt_len, 2 * steps)
     e = llm.engine
     diffusion = e.mask_token_id is not None
     b = e.block_size
-    per_req = steps * (b if diffusion else 1) + 2 * b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    n = 0
-    for _ in range(steps):
-        e.step()
-        n += 1
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / n
+    per_req = 2 * steps * (b if diffusion else 1) + 2 * b
+    # The same warm engine, the host loop plain then overlapped (``Engine.overlap``).
+    walls = {}
+    for overlap in (False, True):
+        e.drain()
+        e.overlap = overlap
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            e.step()
+        torch.cuda.synchronize()
+        walls[overlap] = (time.perf_counter() - t) / steps
+    if len(e.scheduler.running) != bs:
+        raise RuntimeError("a request ended inside the timed steps")
+    dt = walls[True]
     replay_ms = _replay_ms(e) if graph else float("nan")
     tokens = bs * (b if diffusion else 1)
     byts, flops = step_costs(e.model, tokens, prompt_len + per_req // 2, shape)
@@ -158,7 +168,8 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     del llm, e
     torch.cuda.empty_cache()
     return dict(model=name, arch=arch, batch=bs, runner="cuda_graph" if graph else "eager",
-                backend=backend, step_ms=dt * 1e3, output_tok_s=out_tok,
+                backend=backend, step_ms=dt * 1e3, plain_step_ms=walls[False] * 1e3,
+                output_tok_s=out_tok,
                 weight_read_floor_ms=floor_bw * 1e3, matmul_floor_ms=floor_mm * 1e3,
                 x_weight_floor=dt / floor_bw, x_matmul_floor=dt / floor_mm,
                 tokens_per_step=tokens, graph_replay_ms=replay_ms)
@@ -200,11 +211,13 @@ def environment() -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | batch | runner | attention | step ms | graph replay ms | out tok/s | "
+    head = ("| model | batch | runner | attention | step ms | step ms, no overlap | "
+            "graph replay ms | out tok/s | "
             "weight floor ms | × weight floor | matmul floor ms | × matmul floor |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['model']} | {r['batch']} | {r['runner']} | {r['backend']} | {r['step_ms']:.2f} | "
+        f"{r.get('plain_step_ms', float('nan')):.2f} | "
         f"{r.get('graph_replay_ms', float('nan')):.2f} | "
         f"{r['output_tok_s']:.0f} | {r['weight_read_floor_ms']:.2f} | {r['x_weight_floor']:.2f} "
         f"| {r['matmul_floor_ms']:.2f} | {r['x_matmul_floor']:.2f} |\n" for r in rows)

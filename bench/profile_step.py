@@ -81,6 +81,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each step's result before queueing the next")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -90,12 +92,14 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.model}-bs{args.batch_size}-{args.runner}-{args.backend}"
+    tag = (f"{args.model}-bs{args.batch_size}-{args.runner}-{args.backend}"
+           f"{'-plain' if args.no_overlap else ''}")
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint_dir(args.model, Path(tmp))
         llm = warm_engine(path, args.batch_size, args.runner == "cuda_graph", args.backend,
                           args.prompt_len, 2 * args.steps + 10)
         e = llm.engine
+        e.overlap = not args.no_overlap
         wall, phases = time_phases(e, args.steps)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):

@@ -19,7 +19,7 @@ from dllm.runner.forward_batch import (
     LogitsMode,
     ScheduledBatch,
 )
-from dllm.scheduler import Scheduler, Work
+from dllm.scheduler import Carry, HostCopy, Scheduler, Work
 
 
 def sampling_tensors(fb: ForwardBatch, n: int) -> SamplingTensors:
@@ -51,16 +51,24 @@ class SampleNext:
 
 
 class AutoregressiveScheduler(Scheduler):
+    """Overlapped scheduling: a request whose last forward is still in flight decodes from
+    that forward's sampled token on the device (``ScheduledBatch.carry``), at the position
+    after it; a request sure to reach ``max_new_tokens`` with that token is not decoded."""
+
     def schedule(self) -> list[Work]:
         works = []
         prefill = self.build_prefill()
         if prefill is not None:
-            works.append(Work(prefill, self.apply_tokens, SampleNext.for_batch))
-        ready = [r for r in self.running.values() if not r.needs_prefill and r.output_ids
-                 and r.rid not in (prefill.rids if prefill else ())]
+            works.append(Work(prefill, self.apply_tokens, SampleNext.for_batch,
+                              on_launch=self.launched, prefetch=HostCopy))
+        busy = set(prefill.rids) if prefill else set()
+        ready = [r for r in self.running.values() if not r.needs_prefill and r.rid not in busy
+                 and (r.output_ids or r.inflight)
+                 and len(r.output_ids) + r.inflight < r.params.max_new_tokens]
         decode = self.build_decode(ready)
         if decode is not None:
-            works.append(Work(decode, self.apply_tokens, SampleNext.for_batch))
+            works.append(Work(decode, self.apply_tokens, SampleNext.for_batch,
+                              on_launch=self.launched, prefetch=HostCopy))
         return works
 
     def build_prefill(self) -> ScheduledBatch | None:
@@ -79,21 +87,37 @@ class AutoregressiveScheduler(Scheduler):
             return None
         batch = ScheduledBatch(ForwardMode.DECODE, attention_mask=AttentionMask.CAUSAL,
                                logits_mode=LogitsMode.LAST)
+        carry, carry_rows = Carry(), []
         for req in reqs:
-            # The last output token is fed at its own position; its KV is written now.
-            batch.add_row(req.rid, req.req_pool_idx, req.output_ids[-1:], req.committed_len - 1)
+            # The last output token is fed at its own position; its KV is written now. A
+            # token still in flight comes from the device, one position further.
+            n = req.inflight
+            batch.add_row(req.rid, req.req_pool_idx, [0] if n else req.output_ids[-1:],
+                          req.committed_len - 1 + n)
+            carry_rows.append(carry.index(*req.carry) if n else -1)
         batch.row_inputs.update(sampling_rows(reqs))
+        batch.carry = carry.tensor()
+        if batch.carry is not None:
+            batch.row_inputs["carry_row"] = carry_rows
         return batch
+
+    def launched(self, batch: ScheduledBatch, output: torch.Tensor) -> None:
+        """Queued: each row's sampled token is the next step's input, on the device."""
+        for i, rid in enumerate(batch.rids):
+            req = self.running[rid]
+            req.inflight += 1
+            if batch.mode is ForwardMode.EXTEND:
+                req.prefilled_len += batch.extend_lens[i]
+            req.carry = (output, i)
 
     def apply_tokens(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         tokens = output.tolist()  # the one host read of the step
 
         def apply_row(i: int, req: Req) -> bool:
             req.num_forward_passes += 1
-            if batch.mode is ForwardMode.EXTEND:
-                req.prefilled_len += batch.extend_lens[i]
-                if req.needs_prefill:
-                    return False  # a middle chunk: its logits are not used
+            if (batch.mode is ForwardMode.EXTEND
+                    and batch.prefix_lens[i] + batch.extend_lens[i] < req.prompt_len):
+                return False  # a middle chunk: its logits are not used
             self.commit_tokens(req, [tokens[i]])
             return True
 

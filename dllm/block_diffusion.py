@@ -4,7 +4,15 @@ Every engine step runs up to two forwards: one ``EXTEND`` that prefills full pro
 admitted requests (chunked by a token budget, block-causal), and one ``DLLM_EXTEND`` over the
 current block of every request past its prefill (denoise rows and commit rows side by side).
 A request whose block resolves leaves the denoise rows at once; the next step it runs the
-commit forward, then starts its next block. Memory for a request's whole reserved length is
+commit forward, then starts its next block.
+
+Overlapped scheduling (the engine applies a step's result after queueing the next step): a
+row whose result is still in flight continues from that result on the device (its input
+tokens are the in-flight output row, ``ScheduledBatch.carry``; its algorithm state is the
+in-flight state). A block that resolved is then denoised once more before the host knows: that
+forward over the final tokens is exactly its commit forward, and the next block starts the step
+after the host reads the resolution, as without overlap. Shifted-logits models wait for the
+commit's result (it holds the next block's first token): one step more per block. Memory for a request's whole reserved length is
 taken at admission, so a running request never waits for memory and never fails for it.
 
 Shifted logits (Fast-dLLM v2): the logits at a block's last position predict the next block's
@@ -28,7 +36,7 @@ from dllm.runner.forward_batch import (
     LogitsMode,
     ScheduledBatch,
 )
-from dllm.scheduler import Scheduler, Work
+from dllm.scheduler import Carry, HostCopy, Scheduler, Work
 
 
 class BlockDiffusionScheduler(Scheduler):
@@ -40,10 +48,13 @@ class BlockDiffusionScheduler(Scheduler):
         if prefill is not None:
             first_token = prefill.logits_mode is LogitsMode.LAST
             works.append(Work(prefill, self.apply_prefill,
-                              (lambda b: _greedy_last) if first_token else None))
+                              (lambda b: _greedy_last) if first_token else None,
+                              on_launch=self.launched_prefill,
+                              prefetch=HostCopy if first_token else _unread))
         denoise = self.build_denoise([r for r in self.running.values() if not r.needs_prefill])
         if denoise is not None:
-            works.append(Work(denoise, self.apply_denoise, self.make_post))
+            works.append(Work(denoise, self.apply_denoise, self.make_post,
+                              on_launch=self.launched_denoise, prefetch=_prefetch_denoise))
         return works
 
     # ---- prefill -----------------------------------------------------------------------
@@ -61,13 +72,19 @@ class BlockDiffusionScheduler(Scheduler):
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
         return batch
 
+    def launched_prefill(self, batch: ScheduledBatch, output: Any) -> None:
+        """The chunk's KV is queued: the next step may build on it (stream order)."""
+        for i, rid in enumerate(batch.rids):
+            req = self.running[rid]
+            req.prefilled_len += batch.extend_lens[i]
+            req.inflight += 1
+
     def apply_prefill(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         first = output.tolist() if batch.logits_mode is LogitsMode.LAST else None
 
         def apply_row(i: int, req: Req) -> bool:
-            req.prefilled_len += batch.extend_lens[i]
             req.num_forward_passes += 1
-            if first is not None and req.prefilled_len == req.prompt_len:
+            if first is not None and batch.prefix_lens[i] + batch.extend_lens[i] == req.prompt_len:
                 self.commit_tokens(req, [first[i]])
                 return True
             return False
@@ -90,71 +107,111 @@ class BlockDiffusionScheduler(Scheduler):
 
     def build_denoise(self, reqs: list[Req]) -> ScheduledBatch | None:
         """One ``DLLM_EXTEND`` row of exactly ``block_size`` tokens per request."""
-        if not reqs:
-            return None
-        for req in reqs:
-            if req.block is None:
-                self._start_block(req)
-        batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
-                               block_size=self.config.block_size, logits_mode=LogitsMode.ALL)
-        editable = []
+        rows: list[tuple[Req, BlockState]] = []
         for req in reqs:
             blk = req.block
+            if blk is not None and blk.resolved and blk.commit_launched:
+                if self.logits_shift:
+                    continue  # the commit's result holds the next block's first token
+                req.block = blk = None  # its commit forward is queued: the next block starts
+            if blk is None:
+                if self.logits_shift and req.inflight:
+                    continue  # the prefill's result holds the block's first token
+                self._start_block(req)
+                blk = req.block
+            rows.append((req, blk))
+        if not rows:
+            return None
+        batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
+                               block_size=self.config.block_size, logits_mode=LogitsMode.ALL)
+        editable: list[bool] = []
+        carry, carry_rows = Carry(), []
+        for req, blk in rows:
             batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
             batch.row_groups.append(req.algorithm)
+            batch.row_state.append(blk)
             editable += blk.editable  # bools: the registry stores them as 0/1
+            # In flight on this block: its input is that forward's output, on the device.
+            carry_rows.append(carry.index(*blk.carry) if req.inflight and blk.carry else -1)
+        reqs = [req for req, _ in rows]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
-            step=[r.block.step for r in reqs],
-            num_initial_masks=[r.block.num_initial_masks for r in reqs],
-            is_commit=[int(r.block.resolved) for r in reqs],
+            step=[blk.step for blk in batch.row_state],
+            num_initial_masks=[blk.num_initial_masks for blk in batch.row_state],
+            is_commit=[int(blk.resolved) for blk in batch.row_state],
             **sampling_rows(reqs),
             **config_rows(reqs),
         )
+        batch.carry = carry.tensor()
+        if batch.carry is not None:
+            batch.row_inputs["carry_row"] = carry_rows
         batch.row_tensors.update(state_rows(reqs, self.req_pool.req_to_token.device))
         return batch
 
     def make_post(self, batch: ScheduledBatch) -> DenoisePost:
-        return DenoisePost.for_reqs([self.running[rid] for rid in batch.rids],
+        return DenoisePost.for_reqs([self.running[rid] for rid in batch.rids], batch.row_state,
                                     self.config.mask_token_id, self.logits_shift)
+
+    def launched_denoise(self, batch: ScheduledBatch,
+                         output: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        """The step is queued: each row's next input tokens and algorithm state are its output
+        row, on the device, whether or not the host has read it."""
+        packed, states = output
+        tokens = packed[:, : batch.block_size]
+        for i, blk in enumerate(batch.row_state):
+            self.running[batch.rids[i]].inflight += 1
+            if blk.resolved:  # the commit forward
+                blk.commit_launched = True
+                continue
+            blk.step += 1
+            blk.carry = (tokens, i)
+            blk.algo_state = {k: v[i] for k, v in states.items()}
 
     def apply_denoise(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         """Apply one step's result; returns the requests that committed a block or finished."""
         result = DenoisePost.read(output)
 
         def apply_row(r: int, req: Req) -> bool:
-            blk = req.block
-            if blk is None:
-                return False
+            blk: BlockState = batch.row_state[r]
             req.num_forward_passes += 1
-            if blk.resolved:  # this was the commit forward: its KV now counts
+            if blk.resolved:  # resolved before this forward: it was the commit forward
                 req.num_commit_forwards += 1
-                req.block = None
+                if req.block is blk:
+                    req.block = None
                 if self.logits_shift:
                     self.commit_tokens(req, [result.next_token[r]])
                     return True
                 return False
             req.num_denoise_forwards += 1
-            blk.step += 1
             blk.tokens = result.tokens[r]
             blk.transfers += result.num_transferred[r]
-            blk.algo_state = result.state[r]
             if result.done[r]:
-                self._resolve(req)
+                self._resolve(req, blk)
                 return True
             return False
 
         return self.apply_rows(batch, apply_row)
 
-    def _resolve(self, req: Req) -> None:
+    def _resolve(self, req: Req, blk: BlockState) -> None:
         """The block has no masks left: its tokens are final, so the output is decided now.
         A request that ends inside this block needs no commit forward (its KV would never be
-        read again)."""
-        blk = req.block
+        read again). A forward launched on it since (overlap) was its commit forward."""
         req.num_blocks_committed += 1
         if not self.commit_tokens(req, [t for t, e in zip(blk.tokens, blk.editable,
                                                           strict=True) if e]):
             blk.resolved = True
+            blk.commit_launched = req.inflight > 0
+
+
+def _unread(output: Any) -> None:
+    """A prefill without logits: nothing of its output is read."""
+    return None
+
+
+def _prefetch_denoise(output: tuple[torch.Tensor, dict[str, torch.Tensor]]
+                      ) -> tuple[HostCopy, dict[str, torch.Tensor]]:
+    packed, states = output
+    return HostCopy(packed), states
 
 
 def _greedy_last(fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

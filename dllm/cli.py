@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-bs", dest="cuda_graph_batch_sizes", type=int, nargs="+",
                    default=None, help="the batch sizes to capture (default: buckets 1, 2, 4, "
                                       "8, 12, 16, 24, 32, … up to --cuda-graph-max-bs)")
+    g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const",
+                   const=False, default=None,
+                   help="read each step's result before queueing the next (default on CUDA: "
+                        "the host builds the next step while the device runs this one)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -34,6 +34,9 @@ class EngineConfig:
         and decode steps for batch sizes up to ``cuda_graph_max_bs`` (default: the running cap,
         at most 256), at bucketed sizes (a live batch is padded to the next one);
         ``cuda_graph_batch_sizes`` names the sizes instead (every size from 1 to N: no padding).
+    overlap_schedule: queue each denoise/decode step before reading the previous step's
+        result, so host work overlaps the device (the same outputs; ``None``: on CUDA only,
+        where the forward runs asynchronously).
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
     """
@@ -60,6 +63,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     served_model_name: str | None = None
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens"):

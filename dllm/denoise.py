@@ -10,7 +10,7 @@ import torch
 
 from dllm.algorithms import ALGORITHMS, get_algorithm
 from dllm.algorithms.base import KEY_SPECS, DenoiseInput, SamplingTensors
-from dllm.request import Req
+from dllm.request import BlockState, Req
 from dllm.runner.forward_batch import ForwardBatch
 from dllm.runner.input_registry import InputRegistry
 
@@ -123,10 +123,12 @@ class DenoisePost:
         self.logits_shift = logits_shift
 
     @classmethod
-    def for_reqs(cls, reqs: list[Req], mask_token_id: int, logits_shift: int) -> DenoisePost:
+    def for_reqs(cls, reqs: list[Req], blocks: list[BlockState], mask_token_id: int,
+                 logits_shift: int) -> DenoisePost:
+        """``blocks``: the block of each row (``ScheduledBatch.row_state``)."""
         groups: dict[str, list[int]] = defaultdict(list)
-        for i, r in enumerate(reqs):
-            if not r.block.resolved:  # commit rows only write their KV
+        for i, (r, blk) in enumerate(zip(reqs, blocks, strict=True)):
+            if not blk.resolved:  # commit rows only write their KV
                 groups[r.algorithm].append(i)
         return cls(dict(groups), len(reqs), mask_token_id, logits_shift,
                    sampling_flags(sampling_rows(reqs)))

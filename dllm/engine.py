@@ -54,6 +54,15 @@ FAMILY_ALGORITHM_CONFIG: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A queued forward whose result the host has not applied yet."""
+
+    work: Work
+    batch: ScheduledBatch
+    output: Any
+
+
 def embed_inputs(texts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
     """One text or list of token ids -> a batch of one; a list of them -> the list."""
     single = isinstance(texts, str) or (isinstance(texts, list) and bool(texts)
@@ -115,6 +124,9 @@ class Engine:
         if isinstance(self.scheduler, FullDiffusionScheduler):
             full_diffusion_inputs(self.runner.registry)
         self._init_cuda_graphs()
+        self.overlap = (cfg.overlap_schedule if cfg.overlap_schedule is not None
+                        else self.device.type == "cuda")
+        self._pending: list[_Launched] = []  # the last step's forwards, results not yet read
         self._rid_counter = itertools.count()
         self._seed_rng = random.Random(cfg.seed)
         self.step_count = 0
@@ -343,27 +355,58 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._pending)
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[Req]:
         """One engine step: every forward the scheduler plans (prefill and denoise both
-        progress). Returns the requests whose output grew or that finished."""
+        progress). Returns the requests whose output grew or that finished.
+
+        Overlapped (``overlap_schedule``): this step's forwards are queued first, then the
+        previous step's results are read and applied while the device runs them; the next
+        step builds on results not yet read through ``Work.on_launch``. Outputs are the same
+        as without overlap; a result reaches the caller one step later."""
         self.step_count += 1
         changed: list[Req] = []
+        launched: list[_Launched] = []
         for work in self.scheduler.schedule():
+            if self.overlap and work.prefetch is not None:
+                try:
+                    launched.append(self._launch(work, work.batch))
+                    continue
+                except Exception:  # noqa: BLE001 - retried below, request by request
+                    pass
+            changed.extend(self.drain())  # results apply in launch order
             changed.extend(self._guarded(work, work.batch))
+        changed.extend(self.drain())
+        self._pending = launched
         return changed
+
+    def drain(self) -> list[Req]:
+        """Apply the results still in flight (overlapped scheduling)."""
+        pending, self._pending = self._pending, []
+        return [req for job in pending for req in job.work.apply(job.batch, job.output)]
 
     def idle_step(self) -> None:
         """An ``IDLE`` forward: nothing scheduled on this rank, but a step must be taken (a
         data-parallel rank joins its peers' collectives). Touches no memory pool."""
         self.runner.forward(ScheduledBatch(ForwardMode.IDLE))
 
-    def _run(self, work: Work, batch: ScheduledBatch) -> list[Req]:
+    def _launch(self, work: Work, batch: ScheduledBatch) -> _Launched:
+        """Queue one forward and its post-step; record what the next step may build on and,
+        when overlapped, start copying the part the host reads."""
         batch.table_version = self.req_pool.version
         post = work.make_post(batch) if work.make_post is not None else None
-        return work.apply(batch, self.runner.forward(batch, post))
+        output = self.runner.forward(batch, post)
+        if work.on_launch is not None:
+            work.on_launch(batch, output)
+        if self.overlap and work.prefetch is not None:
+            output = work.prefetch(output)
+        return _Launched(work, batch, output)
+
+    def _run(self, work: Work, batch: ScheduledBatch) -> list[Req]:
+        job = self._launch(work, batch)
+        return work.apply(batch, job.output)
 
     def _guarded(self, work: Work, batch: ScheduledBatch) -> list[Req]:
         """Run a batch; if it fails, run it again request by request so that only the request
@@ -409,6 +452,7 @@ class Engine:
 
     def check_memory(self) -> None:
         """Raise ``AssertionError`` if any KV page or request slot leaked."""
+        self.drain()
         self.scheduler.check_memory()
         if not self.has_work:
             assert self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages
@@ -418,4 +462,5 @@ class Engine:
             self.add_request(req)
         while any(not r.finished for r in reqs):
             self.step()
+        self.drain()
         return [self.output_of(r) for r in reqs]

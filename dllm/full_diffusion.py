@@ -324,7 +324,7 @@ class FullDiffusionPost:
         self.any_cfg = any(r.cfg_scale > 0 for r in reqs)
         self.shift = logits_shift
         self.compute_logits = compute_logits
-        self.denoise = DenoisePost.for_reqs(reqs, mask_token_id, 0)
+        self.denoise = DenoisePost.for_reqs(reqs, [r.block for r in reqs], mask_token_id, 0)
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
                  logits: torch.Tensor | None) -> Any:

@@ -73,6 +73,7 @@ class LLM:
             now = sum(r.finished for r in reqs)
             bar.update(now - done)
             done = now
+        self.engine.drain()  # forwards queued for requests that have since finished
         bar.close()
 
     def chat(

@@ -33,8 +33,14 @@ class BlockState:
     tokens: list[int]
     editable: list[bool]  # False at prompt positions inside the block
     num_initial_masks: int
-    step: int = 0  # denoise forwards taken on this block
+    step: int = 0  # denoise forwards launched on this block
     resolved: bool = False  # all masks filled: the next forward is the commit forward
+    # Overlapped scheduling: the forward after the resolving one was launched before the
+    # host read that the block resolved; it was the commit forward.
+    commit_launched: bool = False
+    # The output row of the last forward launched on this block, ``(tokens, row)`` on the
+    # device: the next step's input tokens while its result is in flight.
+    carry: tuple[torch.Tensor, int] | None = None
     # Per-row algorithm state kept on the device between steps (0-d tensors).
     algo_state: dict[str, torch.Tensor] = field(default_factory=dict)
     transfers: int = 0  # mask→token transfers so far (metrics)
@@ -58,7 +64,12 @@ class Req:
     req_pool_idx: int | None = None
     kv_pages: list[int] = field(default_factory=list)
     # Progress.
-    prefilled_len: int = 0  # prompt tokens whose KV is cached
+    prefilled_len: int = 0  # prompt tokens whose KV is cached (or queued to be: stream order)
+    # Forwards launched for this request whose result the host has not applied yet (at most
+    # one per step; overlapped scheduling applies a step's results after the next is queued).
+    inflight: int = 0
+    # Autoregressive: ``(tokens, row)`` on the device, the token its in-flight forward samples.
+    carry: tuple[torch.Tensor, int] | None = None
     block: BlockState | None = None
     num_forward_passes: int = 0
     num_denoise_forwards: int = 0

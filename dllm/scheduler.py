@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.request import FinishReason, Req, ReqStatus
 from dllm.runner.forward_batch import ScheduledBatch
@@ -39,6 +41,59 @@ class Work:
     make_post: Callable[[ScheduledBatch], Any] | None = None  # the device post-step
     # One batch per request, for the retry after a failure (default: one per row).
     split: Callable[[ScheduledBatch], list[ScheduledBatch]] | None = None
+    # Overlapped scheduling (DESIGN §2): ``on_launch(batch, output)`` records, right after
+    # the forward is queued, what the next step may build on before the result is read (the
+    # device output of each row); ``prefetch(output)`` starts the copy of the part ``apply``
+    # reads to pinned host memory. A work with ``prefetch`` may be applied one step late.
+    on_launch: Callable[[ScheduledBatch, Any], None] | None = None
+    prefetch: Callable[[Any], Any] | None = None
+
+
+class HostCopy:
+    """A small device tensor's copy to pinned host memory, started now (queued behind the
+    work that produces it) and read later: ``tolist`` waits for this copy only, not for work
+    queued after it. On the CPU it is the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensor = host
+        self._tensor = tensor
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tensor.tolist()
+
+
+class Carry:
+    """Collects the device token rows a batch's rows continue from (``ScheduledBatch.carry``):
+    ``index(tensor, row)`` gives a row's index into the concatenation of every source tensor
+    (one per launched forward of the step before)."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[int, int] = {}
+        self._sources: list[torch.Tensor] = []
+        self._size = 0
+
+    def index(self, tensor: torch.Tensor, row: int) -> int:
+        key = id(tensor)
+        if key not in self._offsets:
+            self._offsets[key] = self._size
+            self._sources.append(tensor)
+            self._size += tensor.shape[0]
+        return self._offsets[key] + row
+
+    def tensor(self) -> torch.Tensor | None:
+        """``[n, width]``, or None when no row carries."""
+        if not self._sources:
+            return None
+        rows = [t if t.dim() == 2 else t[:, None] for t in self._sources]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 class Scheduler(ABC):
@@ -171,6 +226,8 @@ class Scheduler(ABC):
             req = self.running.get(rid)
             if req is None:
                 continue
+            if req.inflight:  # this forward's result is no longer in flight
+                req.inflight -= 1
             try:
                 if apply_row(i, req):
                     changed.append(req)

@@ -133,6 +133,14 @@ class ScheduledBatch:
     row_groups: list[str] = field(default_factory=list)
     # ``ReqToTokenPool.version`` when the batch was built (None: unknown, never reuse a plan).
     table_version: int | None = None
+    # Overlapped scheduling: ``[n, tokens_per_row]`` device token rows that some rows take
+    # their input ids from (an earlier step's output, not yet read by the host); row i takes
+    # ``carry[row_inputs["carry_row"][i]]`` where that is >= 0, else its host ``input_ids``.
+    # Only for batches whose rows all have ``tokens_per_row`` tokens (denoise, decode).
+    carry: torch.Tensor | None = None
+    # The scheduler's own per-row objects (e.g. the block each row denoises), handed back with
+    # the batch when its result is applied; the runner never reads them.
+    row_state: list = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -165,7 +173,8 @@ class ScheduledBatch:
             row_inputs={k: v[i : i + 1] for k, v in self.row_inputs.items()},
             token_inputs={k: v[start:end] for k, v in self.token_inputs.items()},
             row_tensors={k: v[i : i + 1] for k, v in self.row_tensors.items()},
-            row_groups=self.row_groups[i : i + 1],
+            row_groups=self.row_groups[i : i + 1], carry=self.carry,
+            row_state=self.row_state[i : i + 1],
         )
         one.add_row(self.rids[i], self.req_pool_indices[i], self.input_ids[start:end],
                     self.prefix_lens[i], self.seq_lens[i])

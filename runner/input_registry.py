@@ -44,7 +44,8 @@ class InputRegistry:
         self.max_bs = max_bs
         self.max_tokens = max_tokens
         self.device = device
-        self.fields: dict[str, Field] = dict(CORE_FIELDS)
+        # ``ScheduledBatch.carry``'s row index per request (-1: the host's input ids).
+        self.fields: dict[str, Field] = {**CORE_FIELDS, "carry_row": Field("reqs", torch.int64, -1)}
         self.buffers: dict[str, torch.Tensor] = {}
         self._arenas: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._host_rows: dict[str, np.ndarray] = {}  # numpy views of the host rows
@@ -101,6 +102,17 @@ class InputRegistry:
             buf[:n].copy_(values, non_blocking=True)
         return buf[:padded]
 
+    def _gather_carry(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
+        """Rows with a ``carry_row`` take their input ids from ``batch.carry`` (on the device,
+        after the host values landed: the copy and this gather are stream-ordered)."""
+        bs, width = batch.batch_size, batch.carry.shape[1]
+        if "carry_row" not in batch.row_inputs or batch.num_tokens != bs * width:
+            raise ValueError("a carried batch needs a carry_row per row and "
+                             f"{width} tokens in every row")
+        src = self.buffers["carry_row"][:bs]
+        ids = input_ids[: bs * width].view(bs, width)
+        ids.copy_(torch.where((src >= 0)[:, None], batch.carry[src.clamp(min=0)], ids))
+
     def load(self, batch: ScheduledBatch, req_to_token: torch.Tensor,
              padded_bs: int | None = None, padded_tokens: int | None = None,
              out_cache_loc: list[int] | None = None) -> ForwardBatch:
@@ -137,6 +149,8 @@ class InputRegistry:
             self._copied.record()
         views = {name: self.buffers[name][: pt if self.fields[name].axis == "tokens" else pbs]
                  for name in CORE_FIELDS}
+        if batch.carry is not None:
+            self._gather_carry(batch, views["input_ids"])
         if out_cache_loc is None and t:
             rows = torch.repeat_interleave(
                 views["req_pool_indices"][:bs], views["extend_lens"][:bs], output_size=t)

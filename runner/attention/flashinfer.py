@@ -80,6 +80,10 @@ class FlashInferBackend(AttentionBackend):
         # The last plan: its batch layout key and wrapper. A denoise block runs the same
         # layout step after step, so most steps skip the page table and the planning.
         self._last: tuple[tuple, object] | None = None
+        # FlashInfer's ``plan`` fills a pinned host buffer and queues its copy to the device:
+        # with the next step built before this one runs (overlapped scheduling), the next
+        # plan must wait until that copy is done before it writes the buffer again.
+        self._plan_copied: torch.cuda.Event | None = None
 
     def prepare(self, forward_batch: ForwardBatch) -> None:
         # Planning needs the head counts, known at the first layer: plan lazily there,
@@ -105,6 +109,15 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def _plan_new(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+        wrapper = self._plan_wrapper(fb, layer, dtype)
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
+        return wrapper
+
+    def _plan_wrapper(self, fb: ForwardBatch, layer: AttentionLayer,
+                      dtype: torch.dtype) -> object:
         table = build_page_table(fb, self.page_size)
         common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)

@@ -1,0 +1,179 @@
+"""Overlapped scheduling (``overlap_schedule``): each step is queued before the previous
+step's result is read, and rows continue from results still in flight on the device. On the
+CPU a forward finishes before ``step`` returns, so the overlapped path runs here in full: its
+outputs and forward counts must equal the plain loop's, request by request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dllm import LLM, SamplingParams
+from dllm.testing import make_tiny_checkpoint
+from dllm.testing.harness import fail_on_token
+
+MIXED = [  # algorithm settings and sampling of each request, cycled
+    dict(temperature=0.0, dllm={"algorithm": "low_confidence_static", "steps_per_block": 2}),
+    dict(temperature=0.8, top_k=20, dllm={"algorithm": "low_confidence_dynamic",
+                                          "threshold": 0.5, "steps_per_block": 4}),
+    dict(temperature=0.0, dllm={"algorithm": "threshold", "threshold": 0.6}),
+    dict(temperature=0.7, dllm={"algorithm": "joint_threshold", "threshold": 0.6,
+                                "edit_threshold": 0.5, "max_post_edit_steps": 2}),
+]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 200, (1 + (5 * i) % 13,), generator=g).tolist() for i in range(n)]
+
+
+def params_list(n: int, max_new: int, **extra) -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=max_new + i % 3, seed=i, **{**MIXED[i % 4], **extra})
+            for i in range(n)]
+
+
+def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams], staggered: bool = True):
+    """Requests join one per step (so rows start, resolve and finish at every step); returns
+    each request's tokens, forward counts and finish reason, and how many forwards carried
+    rows from a result still in flight."""
+    e = llm.engine
+    carried = []
+    forward = e.runner.forward
+
+    def counting(batch, post=None):
+        carried.append(batch.carry is not None)
+        return forward(batch, post)
+
+    e.runner.forward = counting
+    try:
+        reqs = [e.make_request(p, sp) for p, sp in zip(ps, params, strict=True)]
+        waiting = list(reqs)
+        while any(not r.finished for r in reqs):
+            if waiting:
+                e.add_request(waiting.pop(0))
+                if not staggered:
+                    while waiting:
+                        e.add_request(waiting.pop(0))
+            e.step()
+        e.drain()
+    finally:
+        e.runner.forward = forward
+    e.check_memory()
+    assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
+    outs = [(r.output_ids, r.num_forward_passes, r.num_denoise_forwards,
+             r.num_commit_forwards, r.num_blocks_committed, r.finish_reason) for r in reqs]
+    return outs, sum(carried)
+
+
+def pair(path: str, **kw) -> tuple[LLM, LLM]:
+    return (LLM(path, overlap_schedule=True, **kw), LLM(path, overlap_schedule=False, **kw))
+
+
+def test_overlap_is_off_on_cpu_by_default(sdar_dir):
+    llm = LLM(sdar_dir, max_running_requests=2)
+    assert llm.engine.overlap is False
+    assert LLM(sdar_dir, max_running_requests=2, overlap_schedule=True).engine.overlap
+
+
+@pytest.mark.parametrize("staggered", [True, False])
+def test_block_diffusion_overlap_equals_plain(sdar_dir, staggered):
+    over, plain = pair(sdar_dir, max_running_requests=5, page_size=4)
+    ps, params = prompts(12), params_list(12, 9)
+    got, carried = run(over, ps, params, staggered)
+    want, none = run(plain, ps, params, staggered)
+    assert got == want
+    assert none == 0 and carried > 10  # rows really continued from in-flight results
+
+
+def test_block_diffusion_overlap_with_stops(sdar_dir):
+    """EOS-like stop ids and stop strings end requests inside a block while their next
+    forward is already queued: the queued forward is dropped, the output is the same."""
+    over, plain = pair(sdar_dir, max_running_requests=4, page_size=4)
+    ps = prompts(8, seed=1)
+    free = [o.token_ids for o in plain.generate(ps, params_list(8, 12))]
+    text = plain.engine.tokenizer.decode(free[0][4:7])
+    params = params_list(8, 12, stop_token_ids=[free[i][5 + i] for i in (1, 3, 6)],
+                         stop=[text])
+    got, _ = run(over, ps, params)
+    want, _ = run(plain, ps, params)
+    assert got == want
+    assert any(reason.value == "stop" for *_, reason in want)
+
+
+def test_shifted_logits_overlap_equals_plain(tmp_path):
+    """Fast-dLLM v2: the next block's first token comes from the commit forward's result,
+    so an overlapped row waits for it; outputs and forward counts are unchanged."""
+    path = str(make_tiny_checkpoint("Fast_dLLM_QwenForCausalLM", tmp_path, seed=5))
+    over, plain = pair(path, max_running_requests=4, page_size=4)
+    ps = prompts(6, seed=2)
+    params = [SamplingParams(max_new_tokens=20 + i, seed=i, temperature=0.5 * (i % 2),
+                             ignore_eos=True) for i in range(6)]
+    got, carried = run(over, ps, params)
+    want, _ = run(plain, ps, params)
+    assert got == want and carried > 0
+
+
+def test_llada2_overlap_equals_plain(tmp_path):
+    path = str(make_tiny_checkpoint("LLaDA2MoeModelLM", tmp_path, seed=6))
+    over, plain = pair(path, max_running_requests=3, page_size=8)
+    ps = prompts(5, seed=3)
+    params = [SamplingParams(max_new_tokens=40, seed=i, temperature=0.6 * (i % 2),
+                             ignore_eos=True) for i in range(5)]
+    got, carried = run(over, ps, params)
+    want, _ = run(plain, ps, params)
+    assert got == want and carried > 0
+
+
+@pytest.mark.parametrize("chunk", [4096, 5])
+def test_autoregressive_overlap_equals_plain(tmp_path, chunk):
+    """Decode rows continue from the token sampled by a decode or a (chunked) prefill still
+    in flight; a request sure to reach ``max_new_tokens`` is not decoded once more."""
+    path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=7))
+    over, plain = pair(path, max_running_requests=4, max_prefill_tokens=chunk)
+    ps = prompts(9, seed=4)
+    params = [SamplingParams(max_new_tokens=1 + 3 * i, seed=i, temperature=0.9 * (i % 2),
+                             top_p=0.9, stop_token_ids=[55]) for i in range(9)]
+    got, carried = run(over, ps, params)
+    want, _ = run(plain, ps, params)
+    assert carried > 0
+    if chunk < 4096:
+        # A slot freed one step later admits the next request one step later, so a shared
+        # prefill budget may split its prompt differently: same tokens, other forward counts.
+        got, want = ([(o[0], o[-1]) for o in outs] for outs in (got, want))
+    assert got == want
+
+
+def test_failure_under_overlap_spares_the_others(sdar_dir):
+    """A forward that fails for one request's tokens is retried request by request after the
+    in-flight results are applied: only that request ends with an error."""
+    over, plain = pair(sdar_dir, max_running_requests=4, page_size=4)
+    poison = 7
+    ps = [p for p in prompts(12, seed=5) if poison not in p][:3]
+    ps.insert(1, [poison] * 6)
+    params = [SamplingParams(max_new_tokens=9, ignore_eos=True, seed=i) for i in range(4)]
+    with fail_on_token(over.engine.model, poison):
+        got, _ = run(over, ps, params)
+    want, _ = run(plain, [ps[0], *ps[2:]], [params[0], *params[2:]])
+    assert got[1][-1].value == "error"
+    assert [got[0], *got[2:]] == want
+
+
+def test_abort_while_in_flight_frees_memory(sdar_dir):
+    over, _ = pair(sdar_dir, max_running_requests=4, page_size=4)
+    e = over.engine
+    reqs = [e.make_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+            for p in prompts(3, seed=6)]
+    for r in reqs:
+        e.add_request(r)
+    for _ in range(4):
+        e.step()
+    assert e._pending and reqs[1].inflight == 1  # its last step is queued, not yet read
+    e.abort(reqs[1].rid)
+    while any(not r.finished for r in reqs):
+        e.step()
+    e.check_memory()
+    assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
+    alone = LLM(over.engine.config.model, max_running_requests=4, page_size=4).generate(
+        [r.prompt_ids for r in (reqs[0], reqs[2])], SamplingParams(max_new_tokens=30,
+                                                                   ignore_eos=True))
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [o.token_ids for o in alone]
