@@ -45,7 +45,7 @@ def time_phases(engine, steps: int) -> tuple[float, dict[str, float]]:
 
     sched = engine.scheduler
     sched.schedule = timed("schedule", sched.schedule)
-    for name in ("apply_denoise", "apply_prefill", "apply_decode"):
+    for name in ("apply_denoise", "apply_prefill", "apply_tokens"):
         if hasattr(sched, name):
             setattr(sched, name, timed("apply (incl. read)", getattr(sched, name)))
     for r in engine.runner.runners:

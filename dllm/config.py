@@ -34,6 +34,8 @@ class EngineConfig:
         and decode steps for batch sizes up to ``cuda_graph_max_bs`` (default: the running cap,
         at most 256), at bucketed sizes (a live batch is padded to the next one);
         ``cuda_graph_batch_sizes`` names the sizes instead (every size from 1 to N: no padding).
+        With graphs disabled those steps run eagerly at the same padded sizes and plans, so
+        both give the same tokens.
     overlap_schedule: queue each denoise/decode step before reading the previous step's
         result, so host work overlaps the device (the same outputs; ``None``: on CUDA only,
         where the forward runs asynchronously).

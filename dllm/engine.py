@@ -195,10 +195,12 @@ class Engine:
 
     def _init_cuda_graphs(self) -> None:
         """Capture denoise (block diffusion) or decode (autoregressive) steps on CUDA with
-        FlashInfer; everything else, and every shape not captured, runs eagerly."""
+        FlashInfer; everything else, and every shape not captured, runs eagerly. With
+        ``disable_cuda_graph`` those steps still run padded to the capture sizes and planned
+        as a graph would be, without capture (so eager and graph outputs are identical)."""
         cfg = self.config
         kind = self.info.spec.kind
-        if (cfg.disable_cuda_graph or self.device.type != "cuda" or self.task != "generate"
+        if (self.device.type != "cuda" or self.task != "generate"
                 or resolve_backend_name(cfg.attention_backend, self.device) != "flashinfer"
                 or not getattr(self.model, "supports_cuda_graph", True)
                 or kind not in ("block_diffusion", "causal_lm")):
@@ -226,7 +228,8 @@ class Engine:
         graphs = CudaGraphRunner(
             self.runner, self.block_size, sizes, self.req_pool.max_context, cfg.page_size,
             post_for,
-            modes=(ForwardMode.DLLM_EXTEND,) if diffusion else (ForwardMode.DECODE,))
+            modes=(ForwardMode.DLLM_EXTEND,) if diffusion else (ForwardMode.DECODE,),
+            capture=not cfg.disable_cuda_graph)
         graphs.capture_all([self.algorithm_name] if diffusion else [""])
         self.runner.add_runner(graphs)
 

@@ -56,9 +56,15 @@ class CudaGraphRunner(Runner):
     def __init__(self, owner: ModelRunner, block_size: int, sizes: list[int], max_context: int,
                  page_size: int,
                  post_for: Callable[[ForwardMode, int, str, tuple[bool, bool]], PostStep],
-                 modes: tuple[ForwardMode, ...] = (ForwardMode.DLLM_EXTEND,)):
+                 modes: tuple[ForwardMode, ...] = (ForwardMode.DLLM_EXTEND,),
+                 capture: bool = True):
+        """``capture=False`` (``disable_cuda_graph``): the same padded batches, planned the
+        same way, run eagerly. FlashInfer plans a CUDA-graph batch differently from a general
+        one (tile sizes, KV splits) and a padded batch runs GEMMs of another shape, so only
+        this keeps eager and graph steps identical, token for token."""
         from dllm.runner.attention.flashinfer import FlashInferBackend
 
+        self.capture = capture
         self.owner = owner
         self.block_size = block_size
         self.sizes = sorted(sizes)
@@ -96,17 +102,20 @@ class CudaGraphRunner(Runner):
     def load_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         bs = self.sizes[bisect.bisect_left(self.sizes, batch.batch_size)]
         group = batch.row_groups[0] if batch.row_groups else ""
-        g = self._graph(batch.mode, bs, group, _flags(batch))
+        key = (batch.mode, bs, group, _flags(batch))
         padded = self._pad(batch, bs)
         fb = self.registry.load(padded, self.owner.req_to_token)
-        fb.kv_pool, fb.attn_backend = self.owner.kv_pool, g.backend
-        g.backend.plan(fb, self.layer, self.dtype)
-        self._loaded = g
+        fb.kv_pool, fb.attn_backend = self.owner.kv_pool, self.backends[bs]
+        self.backends[bs].plan(fb, self.layer, self.dtype)
+        self._loaded = self._graph(*key) if self.capture else self.post_for(*key)
         return fb
 
     def execute(self, forward_batch: ForwardBatch, post: PostStep | None) -> Any:
-        """Replay the graph ``load_batch`` chose (its inputs are in place and planned)."""
+        """Replay the graph ``load_batch`` chose (its inputs are in place and planned), or
+        without capture run the forward and the post-step the graph would hold."""
         g, self._loaded = self._loaded, None
+        if not self.capture:
+            return g(forward_batch, *self.owner.run_model(forward_batch))
         g.graph.replay()
         self.last_replayed = g
         return _detach(g.output)
@@ -114,6 +123,8 @@ class CudaGraphRunner(Runner):
     # ---- capture ---------------------------------------------------------------------
     def capture_all(self, groups: list[str]) -> None:
         """Capture every size, largest first (smaller graphs reuse its memory pool)."""
+        if not self.capture:
+            return
         for mode in self.modes:
             for bs in reversed(self.sizes):
                 for group in (groups if mode is ForwardMode.DLLM_EXTEND else [""]):
