@@ -12,8 +12,10 @@ tokens are the in-flight output row, ``ScheduledBatch.carry``; its algorithm sta
 in-flight state). A block that resolved is then denoised once more before the host knows: that
 forward over the final tokens is exactly its commit forward, and the next block starts the step
 after the host reads the resolution, as without overlap. Shifted-logits models wait for the
-commit's result (it holds the next block's first token): one step more per block. Memory for a request's whole reserved length is
-taken at admission, so a running request never waits for memory and never fails for it.
+commit's result (it holds the next block's first token): one step more per block.
+
+Memory for a request's whole reserved length is taken at admission, so a running request never
+waits for memory and never fails for it.
 
 Shifted logits (Fast-dLLM v2): the logits at a block's last position predict the next block's
 first token. The commit forward reads it (greedily, as the reference's commit pass does, at any
