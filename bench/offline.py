@@ -120,8 +120,10 @@ def warm_engine(path: str, bs: int, graph: bool, backend: str, prompt_len: int, 
     diffusion = e.mask_token_id is not None
     b = e.block_size
     g = torch.Generator().manual_seed(0)
-    # Room for the prefill's token, the warm-up steps and ``steps`` more, with a margin.
-    params = SamplingParams(max_new_tokens=steps * (b if diffusion else 1) + 2 * b + 8,
+    # Room for ``steps`` steps after the warm-up, and for the tokens an early request decodes
+    # while the later prompts are prefilled (one prefill chunk per step).
+    chunks = -(-bs * prompt_len // e.config.max_prefill_tokens)
+    params = SamplingParams(max_new_tokens=steps * (b if diffusion else 1) + 2 * b + 8 + chunks,
                             ignore_eos=True, dllm={"steps_per_block": b} if diffusion else {})
     reqs = [e.make_request(torch.randint(100, 30000, (prompt_len,), generator=g).tolist(),
                            params) for _ in range(bs)]

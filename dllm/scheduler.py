@@ -151,8 +151,11 @@ class Scheduler(ABC):
         req.req_pool_idx = self.req_pool.alloc()
         req.kv_pages = self.kv_pool.alloc_pages(pages)
         n = req.reserved_len
-        self.req_pool.req_to_token[req.req_pool_idx, :n] = self.kv_pool.slots_for(
-            req.kv_pages, 0, n).to(self.req_pool.req_to_token.device)
+        slots = self.kv_pool.slots_for(req.kv_pages, 0, n)
+        device = self.req_pool.req_to_token.device
+        if device.type == "cuda":  # a pageable copy would wait for the queued steps
+            slots = slots.pin_memory().to(device, non_blocking=True)
+        self.req_pool.req_to_token[req.req_pool_idx, :n] = slots.to(device)
         req.status = ReqStatus.RUNNING
         self.running[req.rid] = req
         return True

@@ -1,8 +1,11 @@
 """FlashInfer attention over the paged KV cache (DESIGN §8). GPU only; imported lazily.
 
 One plan per forward, reused by every layer:
-- ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
-  prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``;
+- ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): every
+  query of a row sees every key of ``[0, seq_len)``, so the row is one decode query with
+  ``block_size × heads`` query heads (each KV head's group of query heads times the block's
+  tokens): the decode kernel (on tensor cores) packs exactly those rows per KV head, where the
+  paged-prefill kernel planned for a CUDA graph sizes its tiles by the whole batch's tokens;
 - ``EXTEND`` with ``CAUSAL``: paged prefill with ``causal=True`` (queries are the last
   ``extend_len`` keys of their sequence);
 - ``EXTEND`` with ``FULL``: ``causal=False`` (also the dual cache, whose keys run past the
@@ -76,10 +79,12 @@ class FlashInferBackend(AttentionBackend):
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True)
-        self._planned: object | None = None  # the wrapper planned for this forward
+        # The wrapper planned for this forward, and the query tokens per decode row (the
+        # block size for ``DLLM_EXTEND``, else 1).
+        self._planned: tuple[object, int] | None = None
         # The last plan: its batch layout key and wrapper. A denoise block runs the same
         # layout step after step, so most steps skip the page table and the planning.
-        self._last: tuple[tuple, object] | None = None
+        self._last: tuple[tuple, tuple[object, int]] | None = None
         # FlashInfer's ``plan`` fills a pinned host buffer and queues its copy to the device:
         # with the next step built before this one runs (overlapped scheduling), the next
         # plan must wait until that copy is done before it writes the buffer again.
@@ -97,9 +102,10 @@ class FlashInferBackend(AttentionBackend):
         self._planned = self._plan(fb, layer, dtype)
         fb.attn_metadata = "planned"
 
-    def _plan(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
+    def _plan(self, fb: ForwardBatch, layer: AttentionLayer,
+              dtype: torch.dtype) -> tuple[object, int]:
         """Plan the batch (or reuse the last plan, for the same layout); returns the wrapper
-        whose ``run`` every layer calls."""
+        whose ``run`` every layer calls, and the query tokens it packs per row."""
         if fb.layout_key is not None and self._last is not None and self._last[0] == fb.layout_key:
             return self._last[1]
         self._last = None
@@ -108,7 +114,8 @@ class FlashInferBackend(AttentionBackend):
             self._last = (fb.layout_key, wrapper)
         return wrapper
 
-    def _plan_new(self, fb: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype) -> object:
+    def _plan_new(self, fb: ForwardBatch, layer: AttentionLayer,
+                  dtype: torch.dtype) -> tuple[object, int]:
         if self._plan_copied is not None:
             self._plan_copied.synchronize()
         wrapper = self._plan_wrapper(fb, layer, dtype)
@@ -117,14 +124,16 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def _plan_wrapper(self, fb: ForwardBatch, layer: AttentionLayer,
-                      dtype: torch.dtype) -> object:
+                      dtype: torch.dtype) -> tuple[object, int]:
         table = build_page_table(fb, self.page_size)
         common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
-        if fb.mode is ForwardMode.DECODE:
+        if fb.mode in (ForwardMode.DECODE, ForwardMode.DLLM_EXTEND):
+            block = fb.block_size if fb.mode is ForwardMode.DLLM_EXTEND else 1
             self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
-                             num_qo_heads=layer.num_heads, head_dim=layer.head_dim, **common)
-            return self.decode
+                             num_qo_heads=layer.num_heads * block, head_dim=layer.head_dim,
+                             **common)
+            return self.decode, block
         mask = None
         causal = fb.attention_mask is AttentionMask.CAUSAL
         qo_indptr, kv_indptr, last = table.qo_indptr, table.kv_indptr, table.kv_last_page_len
@@ -136,7 +145,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
                           last, num_qo_heads=layer.num_heads,
                           head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
-        return self.prefill
+        return self.prefill, 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -149,4 +158,14 @@ class FlashInferBackend(AttentionBackend):
         k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
         shape = (-1, self.page_size, layer.num_kv_heads, layer.head_dim)
         cache = (k_buf.view(shape), v_buf.view(shape))
-        return self._planned.run(q.contiguous(), cache)
+        wrapper, block = self._planned
+        if block == 1:
+            return wrapper.run(q.contiguous(), cache)
+        # [rows·block, heads, d] -> [rows, kv heads · block · group, d]: query head
+        # (token t, head h) of a row sits in KV head h // group's run of block × group heads.
+        n, h, d = q.shape
+        hkv = layer.num_kv_heads
+        g = h // hkv
+        packed = q.view(n // block, block, hkv, g, d).transpose(1, 2).reshape(n // block, -1, d)
+        out = wrapper.run(packed, cache)
+        return out.view(n // block, hkv, block, g, d).transpose(1, 2).reshape(n, h, d)

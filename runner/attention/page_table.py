@@ -29,17 +29,23 @@ def _indptr(lengths: torch.Tensor) -> torch.Tensor:
 
 def build_page_table(fb: ForwardBatch, page_size: int) -> PageTable:
     """Row ``i`` attends to keys ``[0, seq_len_i)``: its pages are the pages of the slots of
-    tokens ``0, page_size, 2·page_size, …`` (slot ``s`` lies in page ``s // page_size``)."""
+    tokens ``0, page_size, 2·page_size, …`` (slot ``s`` lies in page ``s // page_size``).
+
+    The page indices are gathered from the batch's device tensors, with sizes known on the
+    host: no host-to-device copy, which would wait for the work already queued (the step
+    still running under overlapped scheduling)."""
     device = fb.input_ids.device
     seq = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
     pages = (seq + page_size - 1) // page_size
     total = int(pages.sum())
     kv_indptr = _indptr(pages)
-    rows = torch.repeat_interleave(torch.arange(pages.numel()), pages, output_size=total)
-    cols = (torch.arange(total) - kv_indptr[:-1].long().repeat_interleave(
-        pages, output_size=total)) * page_size
-    req_rows = fb.req_pool_indices[rows.to(device)]
-    indices = (fb.req_to_token[req_rows, cols.to(device)] // page_size).to(torch.int32)
+    bs = len(fb.seq_lens_cpu)
+    pages_dev = (fb.seq_lens[:bs] + page_size - 1) // page_size
+    first_dev = torch.cumsum(pages_dev, 0) - pages_dev  # each row's first entry
+    rows = torch.repeat_interleave(torch.arange(bs, device=device), pages_dev,
+                                   output_size=total)
+    cols = (torch.arange(total, device=device) - first_dev[rows]) * page_size
+    indices = (fb.req_to_token[fb.req_pool_indices[rows], cols] // page_size).to(torch.int32)
     return PageTable(
         qo_indptr=_indptr(torch.tensor(fb.extend_lens_cpu, dtype=torch.int64)),
         kv_indptr=kv_indptr,
