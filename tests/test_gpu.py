@@ -55,11 +55,14 @@ CASES = {  # mode, prefix lens, extend lens, seq lens, mask, block size
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [*sorted(CASES), "dllm_extend_packed"])
 def test_flashinfer_equals_sdpa(case):
     from dllm.runner.attention.flashinfer import FlashInferBackend
 
-    mode, prefix, ext, seq, mask, bsz = CASES[case]
+    # ``dllm_extend_packed``: the decode form a batch that fills the GPU takes (rows × KV heads
+    # >= SMs), forced here on three rows by counting one SM.
+    packed = case.endswith("_packed")
+    mode, prefix, ext, seq, mask, bsz = CASES[case.removesuffix("_packed")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     req_pool = ReqToTokenPool(4, 256, dev)
@@ -77,11 +80,15 @@ def test_flashinfer_equals_sdpa(case):
     k = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
     outs = []
-    for backend in (SDPABackend(), FlashInferBackend(dev, P)):
+    fi = FlashInferBackend(dev, P)
+    if packed:
+        fi.num_sms = 1
+    for backend in (SDPABackend(), fi):
         fb = batch(mode, prefix, ext, seq, mask, bsz, req_pool, kv_pool, backend)
         backend.prepare(fb)
         outs.append(backend.forward(q, k, v, LAYER, fb).float())
     assert (outs[0] - outs[1]).abs().max().item() < 2e-2
+    assert fi._planned[1] == (bsz if packed else 1)  # the form the case is about ran
 
 
 @pytest.fixture(scope="module")

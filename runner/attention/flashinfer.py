@@ -1,11 +1,13 @@
 """FlashInfer attention over the paged KV cache (DESIGN §8). GPU only; imported lazily.
 
 One plan per forward, reused by every layer:
-- ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): every
-  query of a row sees every key of ``[0, seq_len)``, so the row is one decode query with
-  ``block_size × heads`` query heads (each KV head's group of query heads times the block's
-  tokens): the decode kernel (on tensor cores) packs exactly those rows per KV head, where the
-  paged-prefill kernel planned for a CUDA graph sizes its tiles by the whole batch's tokens;
+- ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
+  prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``. A batch with
+  enough rows to fill the GPU alone (rows × KV heads ≥ SMs) runs each row as one decode query
+  of ``block_size × heads`` query heads instead (each KV head's group of query heads times the
+  block's tokens), unsplit: the decode kernel (on tensor cores) packs exactly those rows per KV
+  head, where the paged prefill planned for a CUDA graph sizes its tiles by the whole batch's
+  tokens (193 µs a layer at 128 rows of SDAR-8B, against 9 µs at one row);
 - ``EXTEND`` with ``CAUSAL``: paged prefill with ``causal=True`` (queries are the last
   ``extend_len`` keys of their sequence);
 - ``EXTEND`` with ``FULL``: ``causal=False`` (also the dual cache, whose keys run past the
@@ -54,6 +56,7 @@ class FlashInferBackend(AttentionBackend):
         CUDA-graph wrappers refuse any other batch size). Otherwise a general backend (the
         eager runner) for batches of any shape."""
         self.device = device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -128,11 +131,14 @@ class FlashInferBackend(AttentionBackend):
         table = build_page_table(fb, self.page_size)
         common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
-        if fb.mode in (ForwardMode.DECODE, ForwardMode.DLLM_EXTEND):
-            block = fb.block_size if fb.mode is ForwardMode.DLLM_EXTEND else 1
+        rows = len(fb.seq_lens_cpu)
+        packed = (fb.mode is ForwardMode.DLLM_EXTEND
+                  and rows * layer.num_kv_heads >= self.num_sms)
+        if fb.mode is ForwardMode.DECODE or packed:
+            block = fb.block_size if packed else 1
             self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
                              num_qo_heads=layer.num_heads * block, head_dim=layer.head_dim,
-                             **common)
+                             disable_split_kv=packed, **common)
             return self.decode, block
         mask = None
         causal = fb.attention_mask is AttentionMask.CAUSAL
@@ -166,6 +172,6 @@ class FlashInferBackend(AttentionBackend):
         n, h, d = q.shape
         hkv = layer.num_kv_heads
         g = h // hkv
-        packed = q.view(n // block, block, hkv, g, d).transpose(1, 2).reshape(n // block, -1, d)
-        out = wrapper.run(packed, cache)
+        rows = q.view(n // block, block, hkv, g, d).transpose(1, 2).reshape(n // block, -1, d)
+        out = wrapper.run(rows, cache)
         return out.view(n // block, hkv, block, g, d).transpose(1, 2).reshape(n, h, d)
