@@ -8,6 +8,9 @@ percentiles. Prints a table and writes ``bench/results/online-*.json`` / ``.md``
 
 Prompts are random words of ``--prompt-words`` words; every request asks for ``--max-tokens``
 with ``ignore_eos`` (a dllm extension, ignored elsewhere) so all requests do the same work.
+TTFT is the first chunk that carries output tokens: one with text, or one whose usage
+(``stream_options.continuous_usage_stats``) counts them — random-weight models emit tokens the
+test tokenizer decodes to no text, so text alone would put TTFT at the end.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class Result:
 
 async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     start = time.perf_counter()
     ttft, tokens = None, 0
     try:
@@ -50,10 +54,14 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
+                # The first token: a chunk with text, or (``continuous_usage_stats``, which
+                # dllm and vLLM send) one whose usage counts output tokens, text or not.
+                usage = chunk.get("usage") or {}
+                if ttft is None and (usage.get("completion_tokens") or (
+                        chunk.get("choices") and chunk["choices"][0].get("text"))):
                     ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                if usage:
+                    tokens = usage["completion_tokens"]
     except httpx.HTTPError as exc:
         return Result(False, error=repr(exc))
     latency = time.perf_counter() - start

@@ -3,7 +3,8 @@ a completion / chat.completion object (or an async iterator of chunk objects) ou
 
 A request with several prompts (``prompt: [..]``) runs them together; each is a choice.
 Streaming yields one chunk per committed block of any choice (the chunk's ``index`` says
-which), and with ``stream_options.include_usage`` a last chunk with the usage.
+which), and with ``stream_options.include_usage`` a last chunk with the usage (and with
+``continuous_usage_stats`` the usage so far on every chunk, as vLLM does).
 ``/v1/embeddings`` needs an engine started with ``task="embed"``."""
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class OpenAIServing:
         gid = request_id or f"cmpl-{uuid.uuid4().hex}"
         group = await self._start(req, gid, prompts, req.max_tokens, "max_tokens", arrival)
         if req.stream:
-            return self._stream(group, "text_completion", len(prompts), req.include_usage)
+            return self._stream(group, "text_completion", len(prompts), req.include_usage,
+                                req.continuous_usage)
         return self._full(await collect(group, len(prompts)), gid, "text_completion")
 
     # ---- /v1/chat/completions ------------------------------------------------------------
@@ -62,7 +64,8 @@ class OpenAIServing:
         gid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         group = await self._start(req, gid, [messages], max_tokens, name, arrival)
         if req.stream:
-            return self._stream(group, "chat.completion.chunk", 1, req.include_usage)
+            return self._stream(group, "chat.completion.chunk", 1, req.include_usage,
+                                req.continuous_usage)
         return self._full(await collect(group, 1), gid, "chat.completion")
 
     # ---- /v1/embeddings ------------------------------------------------------------------
@@ -132,11 +135,12 @@ class OpenAIServing:
         return {"id": gid, "object": obj, "created": int(time.time()),
                 "model": self.serving.model_name, "choices": choices, "usage": usage(outs)}
 
-    async def _stream(self, group: RunningGroup, obj: str, n: int,
-                      include_usage: bool) -> AsyncIterator[Chunk]:
+    async def _stream(self, group: RunningGroup, obj: str, n: int, include_usage: bool,
+                      continuous_usage: bool = False) -> AsyncIterator[Chunk]:
         created = int(time.time())
         chat = obj == "chat.completion.chunk"
         finals: list[RequestOutput | None] = [None] * n
+        counts = [(0, 0)] * n  # (prompt, completion) tokens of each choice so far
 
         def chunk(choices: list[Chunk], **extra: Any) -> Chunk:
             c = {"id": group.gid, "object": obj, "created": created,
@@ -161,7 +165,14 @@ class OpenAIServing:
                 else:
                     choice["text"] = part.delta_text
                 choice.update(logprobs=None, finish_reason=part.finish_reason)
-                yield chunk([choice])
+                if continuous_usage:
+                    counts[i] = (part.prompt_tokens, part.completion_tokens)
+                    prompt, done = sum(c[0] for c in counts), sum(c[1] for c in counts)
+                    yield chunk([choice], usage={"prompt_tokens": prompt,
+                                                 "completion_tokens": done,
+                                                 "total_tokens": prompt + done})
+                else:
+                    yield chunk([choice])
                 if out is not None:
                     finals[i] = out
             if include_usage:

@@ -95,6 +95,9 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    # vLLM's extension: with ``include_usage``, every chunk carries the usage so far (token
+    # counts arrive with each committed block, whether or not it decodes to text yet).
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Model):
@@ -126,6 +129,10 @@ class SamplingFields(_Sampling):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):

@@ -246,6 +246,23 @@ def test_stream_equals_non_stream(client, http, model_name):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_stream_continuous_usage_stats(client, model_name):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far; the output
+    token count grows with each committed block and ends at the non-streamed count."""
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=14, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    counts = [c.usage.completion_tokens for c in text_chunks]
+    assert len(counts) > 1 and counts == sorted(set(counts)) and counts[0] > 0
+    assert counts[-1] == full.usage.completion_tokens
+    assert {c.usage.prompt_tokens for c in chunks} == {full.usage.prompt_tokens}
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    plain = list(client.completions.create(**kw, stream=True))  # no usage without the option
+    assert all(getattr(c, "usage", None) is None for c in plain)
+
+
 def test_chat_stream_equals_non_stream(client, model_name):
     kw = dict(model=model_name, messages=[{"role": "user", "content": "Tell me a story"}],
               max_tokens=12, temperature=0)
