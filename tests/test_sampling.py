@@ -167,6 +167,21 @@ def test_excluded_id_is_never_proposed():
         assert out.logprobs[..., 4].eq(float("-inf")).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_batch_without_sampling_rows_equals_the_general_path(dtype):
+    """A batch whose rows are all greedy skips the division by the temperature (exact for
+    1.0): the same result as with the sampling flags on, and the caller's logits untouched
+    (float32 logits are not copied by ``float()``)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 50, generator=g).to(dtype)
+    before = logits.clone()
+    fast = draw(logits, sampling(3, may_sample=False, may_filter=False), exclude_id=7)
+    full = draw(logits, sampling(3, may_sample=True, may_filter=True), exclude_id=7)
+    assert torch.equal(logits, before)
+    assert torch.equal(fast.x0, full.x0) and torch.equal(fast.logprobs, full.logprobs)
+    assert torch.equal(fast.confidence, full.confidence)
+
+
 def test_confidence_keeps_order_near_one():
     # 1 - p = 1e-9 and 2e-9: both round to 1.0 in float32, the log-probabilities do not.
     logits = torch.tensor([[[0.0, math.log(1e-9)], [0.0, math.log(2e-9)]]])

@@ -78,7 +78,12 @@ def sample_tokens(
     top_k = torch.where(sample_row, sampling.top_k, 0)
     top_p = torch.where(sample_row, sampling.top_p.float(), 1.0)
 
-    scaled = raw / temperature[:, None, None]
+    # Greedy rows divide by 1 (exact); a batch with no sampling row skips that pass (and
+    # copies only float32 logits, which ``float()`` does not: the mask column is set below).
+    if sampling.may_sample:
+        scaled = raw / temperature[:, None, None]
+    else:
+        scaled = raw.clone() if raw is logits else raw
     if exclude_id is not None:
         scaled[..., exclude_id] = _NEG_INF
     filtered = scaled
