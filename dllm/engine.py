@@ -454,7 +454,8 @@ class Engine:
         return EmbeddingOutput(req.rid, req.embedding, req.prompt_len)
 
     def check_memory(self) -> None:
-        """Raise ``AssertionError`` if any KV page or request slot leaked."""
+        """Raise ``AssertionError`` if any KV page or request slot leaked (the results still
+        in flight are applied first)."""
         self.drain()
         self.scheduler.check_memory()
         if not self.has_work:

@@ -41,7 +41,7 @@ class Work:
     make_post: Callable[[ScheduledBatch], Any] | None = None  # the device post-step
     # One batch per request, for the retry after a failure (default: one per row).
     split: Callable[[ScheduledBatch], list[ScheduledBatch]] | None = None
-    # Overlapped scheduling (DESIGN §2): ``on_launch(batch, output)`` records, right after
+    # Overlapped scheduling (``Engine.step``): ``on_launch(batch, output)`` records, right after
     # the forward is queued, what the next step may build on before the result is read (the
     # device output of each row); ``prefetch(output)`` starts the copy of the part ``apply``
     # reads to pinned host memory. A work with ``prefetch`` may be applied one step late.

@@ -103,11 +103,13 @@ class CudaGraphRunner(Runner):
         bs = self.sizes[bisect.bisect_left(self.sizes, batch.batch_size)]
         group = batch.row_groups[0] if batch.row_groups else ""
         key = (batch.mode, bs, group, _flags(batch))
+        # First: a graph captured now (a group or flags not seen yet) loads and plans a dummy
+        # batch into the same buffers.
+        self._loaded = self._graph(*key) if self.capture else self.post_for(*key)
         padded = self._pad(batch, bs)
         fb = self.registry.load(padded, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, self.backends[bs]
         self.backends[bs].plan(fb, self.layer, self.dtype)
-        self._loaded = self._graph(*key) if self.capture else self.post_for(*key)
         return fb
 
     def execute(self, forward_batch: ForwardBatch, post: PostStep | None) -> Any:

@@ -122,6 +122,23 @@ def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm):
     graph.engine.check_memory()
 
 
+def test_graph_captured_on_first_use_equals_eager(sdar_gpu):
+    """Requests overriding the engine's algorithm replay a graph captured when their batch
+    first arrives (its capture loads and plans a dummy batch into the same buffers, before
+    the live batch is loaded)."""
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=8, algorithm="low_confidence_static")
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, seed=i, temperature=0.5 * i,
+                             dllm={"algorithm": "threshold", "threshold": 0.7})
+              for i in range(2)]
+    graph = LLM(sdar_gpu, **kw)
+    before = len(graph.engine.runner.runners[0].graphs)
+    got = [o.token_ids for o in graph.generate(prompts(5), params * 2 + params[:1])]
+    assert len(graph.engine.runner.runners[0].graphs) > before
+    eager = LLM(sdar_gpu, disable_cuda_graph=True, overlap_schedule=False, **kw)
+    assert got == [o.token_ids for o in eager.generate(prompts(5), params * 2 + params[:1])]
+
+
 def test_cuda_graph_equals_eager_decode(tmp_path):
     path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=0, hidden_size=256,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128))
