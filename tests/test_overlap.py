@@ -177,3 +177,49 @@ def test_abort_while_in_flight_frees_memory(sdar_dir):
         [r.prompt_ids for r in (reqs[0], reqs[2])], SamplingParams(max_new_tokens=30,
                                                                    ignore_eos=True))
     assert [reqs[0].output_ids, reqs[2].output_ids] == [o.token_ids for o in alone]
+
+
+def test_async_streams_under_overlap_equal_plain_outputs(sdar_dir):
+    """The engine thread of ``AsyncLLM`` steps an overlapped engine: concurrent streams end
+    with the plain engine's outputs, their streamed tokens add up to them, and a client that
+    leaves mid-stream aborts its request (memory returned once the queued step is applied)."""
+    import asyncio
+
+    from dllm import AsyncLLM
+
+    ps, params = prompts(8, seed=7), params_list(8, 10)
+    want = [o.token_ids for o in LLM(sdar_dir, max_running_requests=4, page_size=4,
+                                     overlap_schedule=False).generate(ps, params)]
+    a = AsyncLLM(sdar_dir, max_running_requests=4, page_size=4, overlap_schedule=True)
+    assert a.engine.overlap
+
+    async def one(p, sp) -> tuple[list[int], list[int]]:
+        streamed, final = [], None
+        async for chunk in a.generate_stream(p, sp):
+            streamed += chunk.delta_token_ids
+            final = chunk.output
+        return streamed, final.token_ids
+
+    async def leave_early() -> int:
+        n = 0
+        async for _ in a.generate_stream(ps[0], SamplingParams(max_new_tokens=40,
+                                                              ignore_eos=True)):
+            n += 1
+            if n == 2:
+                break  # the request is aborted while its next step may be queued
+        return n
+
+    async def main():
+        return await asyncio.gather(leave_early(), *(one(p, sp) for p, sp in zip(
+            ps, params, strict=True)))
+
+    try:
+        left, *got = asyncio.run(main())
+        assert left == 2
+        assert [final for _, final in got] == want
+        assert all(streamed == final for streamed, final in got)
+        e = a.engine
+        a.call_in_engine(lambda engine: engine.check_memory())
+        assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
+    finally:
+        a.shutdown()
