@@ -79,6 +79,7 @@ class AutoregressiveScheduler(Scheduler):
                                logits_mode=LogitsMode.LAST)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
+            batch.row_reqs.append(req)
         batch.row_inputs.update(sampling_rows([req for req, _, _ in rows]))
         return batch
 
@@ -94,6 +95,7 @@ class AutoregressiveScheduler(Scheduler):
             n = req.inflight
             batch.add_row(req.rid, req.req_pool_idx, [0] if n else req.output_ids[-1:],
                           req.committed_len - 1 + n)
+            batch.row_reqs.append(req)
             carry_rows.append(carry.index(*req.carry) if n else -1)
         batch.row_inputs.update(sampling_rows(reqs))
         batch.carry = carry.tensor()
@@ -103,8 +105,10 @@ class AutoregressiveScheduler(Scheduler):
 
     def launched(self, batch: ScheduledBatch, output: torch.Tensor) -> None:
         """Queued: each row's sampled token is the next step's input, on the device."""
-        for i, rid in enumerate(batch.rids):
-            req = self.running[rid]
+        for i in range(batch.batch_size):
+            req = self.row_owner(batch, i)
+            if req is None:  # finished since the batch was built (a retried launch)
+                continue
             req.inflight += 1
             if batch.mode is ForwardMode.EXTEND:
                 req.prefilled_len += batch.extend_lens[i]

@@ -72,14 +72,16 @@ class BlockDiffusionScheduler(Scheduler):
                                logits_mode=LogitsMode.LAST if first_token else LogitsMode.NONE)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
+            batch.row_reqs.append(req)
         return batch
 
     def launched_prefill(self, batch: ScheduledBatch, output: Any) -> None:
         """The chunk's KV is queued: the next step may build on it (stream order)."""
-        for i, rid in enumerate(batch.rids):
-            req = self.running[rid]
-            req.prefilled_len += batch.extend_lens[i]
-            req.inflight += 1
+        for i in range(batch.batch_size):
+            req = self.row_owner(batch, i)
+            if req is not None:
+                req.prefilled_len += batch.extend_lens[i]
+                req.inflight += 1
 
     def apply_prefill(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         first = output.tolist() if batch.logits_mode is LogitsMode.LAST else None
@@ -131,6 +133,7 @@ class BlockDiffusionScheduler(Scheduler):
         for req, blk in rows:
             batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
             batch.row_groups.append(req.algorithm)
+            batch.row_reqs.append(req)
             batch.row_state.append(blk)
             editable += blk.editable  # bools: the registry stores them as 0/1
             # In flight on this block: its input is that forward's output, on the device.
@@ -151,8 +154,8 @@ class BlockDiffusionScheduler(Scheduler):
         return batch
 
     def make_post(self, batch: ScheduledBatch) -> DenoisePost:
-        return DenoisePost.for_reqs([self.running[rid] for rid in batch.rids], batch.row_state,
-                                    self.config.mask_token_id, self.logits_shift)
+        return DenoisePost.for_reqs(batch.row_reqs, batch.row_state, self.config.mask_token_id,
+                                    self.logits_shift)
 
     def launched_denoise(self, batch: ScheduledBatch,
                          output: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -161,7 +164,10 @@ class BlockDiffusionScheduler(Scheduler):
         packed, states = output
         tokens = packed[:, : batch.block_size]
         for i, blk in enumerate(batch.row_state):
-            self.running[batch.rids[i]].inflight += 1
+            req = self.row_owner(batch, i)
+            if req is None:  # finished since the batch was built (a retried launch)
+                continue
+            req.inflight += 1
             if blk.resolved:  # the commit forward
                 blk.commit_launched = True
                 continue

@@ -373,17 +373,31 @@ class Engine:
         changed: list[Req] = []
         launched: list[_Launched] = []
         for work in self.scheduler.schedule():
-            if self.overlap and work.prefetch is not None:
-                try:
-                    launched.append(self._launch(work, work.batch))
-                    continue
-                except Exception:  # noqa: BLE001 - retried below, request by request
-                    pass
-            changed.extend(self.drain())  # results apply in launch order
-            changed.extend(self._guarded(work, work.batch))
+            if not (self.overlap and work.prefetch is not None):
+                changed.extend(self.drain())  # results apply in launch order
+                changed.extend(self._guarded(work, work.batch))
+                continue
+            try:
+                launched.append(self._launch(work, work.batch))
+            except Exception as exc:  # noqa: BLE001 - retried below, request by request
+                logger.warning("a batch failed (%s: %s); retrying it request by request",
+                               type(exc).__name__, exc)
+                # Apply the results in flight first (launch order): the batch was built before
+                # them, so requests they finish drop out of the retry.
+                changed.extend(self.drain())
+                for unit in self._units(work, work.batch):
+                    if all(self.scheduler.row_owner(unit, i) is not None
+                           for i in range(unit.batch_size)):
+                        changed.extend(self._guarded(work, unit))
         changed.extend(self.drain())
         self._pending = launched
         return changed
+
+    @staticmethod
+    def _units(work: Work, batch: ScheduledBatch) -> list[ScheduledBatch]:
+        """A batch as one batch per request (``Work.split``, else one per row)."""
+        return (work.split(batch) if work.split is not None
+                else [batch.row(i) for i in range(batch.batch_size)])
 
     def drain(self) -> list[Req]:
         """Apply the results still in flight (overlapped scheduling)."""
@@ -401,11 +415,10 @@ class Engine:
         batch.table_version = self.req_pool.version
         post = work.make_post(batch) if work.make_post is not None else None
         output = self.runner.forward(batch, post)
-        if work.on_launch is not None:
-            work.on_launch(batch, output)
-        if self.overlap and work.prefetch is not None:
-            output = work.prefetch(output)
-        return _Launched(work, batch, output)
+        fetched = work.prefetch(output) if self.overlap and work.prefetch is not None else output
+        if work.on_launch is not None:  # last: nothing after it may fail (a retry would count
+            work.on_launch(batch, output)  # the launch twice)
+        return _Launched(work, batch, fetched)
 
     def _run(self, work: Work, batch: ScheduledBatch) -> list[Req]:
         job = self._launch(work, batch)
@@ -419,14 +432,14 @@ class Engine:
         try:
             return self._run(work, batch)
         except Exception as exc:  # noqa: BLE001 - isolate the failing request
-            units = work.split(batch) if work.split is not None else [
-                batch.row(i) for i in range(batch.batch_size)]
+            units = self._units(work, batch)
             if len(units) > 1:
                 return [req for unit in units for req in self._guarded(work, unit)]
-            failed = []
-            for rid in dict.fromkeys(batch.rids):  # one request (a CFG request has two rows)
-                req = self.scheduler.running.get(rid)
-                if req is not None:
+            failed, seen = [], set()
+            for i, rid in enumerate(batch.rids):  # one request (a CFG request has two rows)
+                req = self.scheduler.row_owner(batch, i)
+                if req is not None and rid not in seen:
+                    seen.add(rid)
                     logger.exception("request %s failed", rid)
                     self.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
                     failed.append(req)
@@ -454,9 +467,7 @@ class Engine:
         return EmbeddingOutput(req.rid, req.embedding, req.prompt_len)
 
     def check_memory(self) -> None:
-        """Raise ``AssertionError`` if any KV page or request slot leaked (the results still
-        in flight are applied first)."""
-        self.drain()
+        """Raise ``AssertionError`` if any KV page or request slot leaked."""
         self.scheduler.check_memory()
         if not self.has_work:
             assert self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages

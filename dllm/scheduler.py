@@ -174,6 +174,7 @@ class Scheduler(ABC):
         req.error = error
         req.status = ReqStatus.FINISHED
         req.block = None
+        req.inflight, req.carry = 0, None  # a result still queued for it is dropped
         self.running.pop(req.rid, None)
         if req.req_pool_idx is not None:
             self.req_pool.free(req.req_pool_idx)
@@ -218,6 +219,14 @@ class Scheduler(ABC):
                 break
         return rows
 
+    def row_owner(self, batch: ScheduledBatch, i: int) -> Req | None:
+        """The running request row ``i`` was built for; None once it finished (a new request
+        may since run under the same id)."""
+        req = self.running.get(batch.rids[i])
+        if req is None or (batch.row_reqs and batch.row_reqs[i] is not req):
+            return None
+        return req
+
     def apply_rows(self, batch: ScheduledBatch, apply_row: Callable[[int, Req], bool]
                    ) -> list[Req]:
         """Apply a step's result row by row: ``apply_row(i, req)`` updates one running request
@@ -226,7 +235,7 @@ class Scheduler(ABC):
         never re-runs a batch that was partly applied."""
         changed = []
         for i, rid in enumerate(batch.rids):
-            req = self.running.get(rid)
+            req = self.row_owner(batch, i)
             if req is None:
                 continue
             if req.inflight:  # this forward's result is no longer in flight

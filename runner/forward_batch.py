@@ -138,8 +138,11 @@ class ScheduledBatch:
     # ``carry[row_inputs["carry_row"][i]]`` where that is >= 0, else its host ``input_ids``.
     # Only for batches whose rows all have ``tokens_per_row`` tokens (denoise, decode).
     carry: torch.Tensor | None = None
-    # The scheduler's own per-row objects (e.g. the block each row denoises), handed back with
-    # the batch when its result is applied; the runner never reads them.
+    # The scheduler's own per-row objects, handed back with the batch when its result is
+    # applied; the runner never reads them: the request of each row (a result applied a step
+    # late must not reach a new request that reuses a finished one's id) and its state (e.g.
+    # the block each row denoises).
+    row_reqs: list = field(default_factory=list)
     row_state: list = field(default_factory=list)
 
     @property
@@ -174,7 +177,7 @@ class ScheduledBatch:
             token_inputs={k: v[start:end] for k, v in self.token_inputs.items()},
             row_tensors={k: v[i : i + 1] for k, v in self.row_tensors.items()},
             row_groups=self.row_groups[i : i + 1], carry=self.carry,
-            row_state=self.row_state[i : i + 1],
+            row_reqs=self.row_reqs[i : i + 1], row_state=self.row_state[i : i + 1],
         )
         one.add_row(self.rids[i], self.req_pool_indices[i], self.input_ids[start:end],
                     self.prefix_lens[i], self.seq_lens[i])

@@ -38,7 +38,9 @@ CORE_FIELDS: dict[str, Field] = {
 class InputRegistry:
     """Fields of one axis and dtype are rows of one device tensor (an arena), mirrored by a
     pinned host tensor: ``load`` writes the host values and padding into the mirror and moves
-    each arena with one asynchronous copy, instead of one small copy per field."""
+    each arena with one asynchronous copy, instead of one small copy per field. Two mirrors
+    take turns, so a load waits only for the copy of the load before the last one (with two
+    forwards queued per step, the last copy may still wait behind a running forward)."""
 
     def __init__(self, max_bs: int, max_tokens: int, device: torch.device):
         self.max_bs = max_bs
@@ -47,9 +49,11 @@ class InputRegistry:
         # ``ScheduledBatch.carry``'s row index per request (-1: the host's input ids).
         self.fields: dict[str, Field] = {**CORE_FIELDS, "carry_row": Field("reqs", torch.int64, -1)}
         self.buffers: dict[str, torch.Tensor] = {}
-        self._arenas: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._host_rows: dict[str, np.ndarray] = {}  # numpy views of the host rows
-        self._copied: torch.cuda.Event | None = None  # the last host→device copy (CUDA)
+        # (axis, dtype) -> (the two host mirrors, the device arena)
+        self._arenas: dict[tuple[str, torch.dtype], tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._host_rows: list[dict[str, np.ndarray]] = [{}, {}]  # numpy views, per mirror
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each mirror's last copy
+        self._mirror = 0  # the mirror the next load writes
         self._alloc()
 
     def _alloc(self) -> None:
@@ -64,11 +68,13 @@ class InputRegistry:
             host = torch.empty((len(names), n), dtype=dtype, pin_memory=pin)
             for i, name in enumerate(names):
                 host[i].fill_(self.fields[name].pad)
+            hosts = [host, host.clone().pin_memory() if pin else host.clone()]
             dev = host.to(self.device, copy=True)
-            self._arenas[(axis, dtype)] = (host, dev)
+            self._arenas[(axis, dtype)] = (hosts, dev)
             for i, name in enumerate(names):
                 self.buffers[name] = dev[i]
-                self._host_rows[name] = host[i].numpy()
+                for m in (0, 1):
+                    self._host_rows[m][name] = hosts[m][i].numpy()
 
     def register(self, name: str, axis: str, dtype: torch.dtype, pad: float = 0) -> None:
         """Declare a post-step input (e.g. an algorithm setting) before the first ``load``
@@ -87,7 +93,7 @@ class InputRegistry:
     def _stage(self, name: str, values: list, padded: int) -> None:
         """Write host ``values`` and padding up to ``padded`` into the field's host row
         (through numpy: a list converts several times faster than through a tensor)."""
-        row = self._host_rows[name]
+        row = self._host_rows[self._mirror][name]
         n = len(values)
         if n:
             row[:n] = values
@@ -123,8 +129,9 @@ class InputRegistry:
         bs, t = batch.batch_size, batch.num_tokens
         pbs, pt = padded_bs or bs, padded_tokens or t
         self.ensure_capacity(pbs, pt)
-        if self._copied is not None:  # the host mirror is free once its last copy is done
-            self._copied.synchronize()
+        m = self._mirror
+        if self._copied[m] is not None:  # the host mirror is free once its last copy is done
+            self._copied[m].synchronize()
         host_values: dict[str, list] = {
             "input_ids": batch.input_ids, "positions": batch.positions,
             "req_pool_indices": batch.req_pool_indices, "prefix_lens": batch.prefix_lens,
@@ -142,11 +149,12 @@ class InputRegistry:
             if name not in self.fields:
                 raise KeyError(f"post-step input {name!r} was not registered")
             self._stage(name, values, pt if self.fields[name].axis == "tokens" else pbs)
-        for host, dev in self._arenas.values():  # whole arenas: contiguous pinned copies
-            dev.copy_(host, non_blocking=True)
+        for hosts, dev in self._arenas.values():  # whole arenas: contiguous pinned copies
+            dev.copy_(hosts[m], non_blocking=True)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied[m] = torch.cuda.Event()
+            self._copied[m].record()
+        self._mirror = 1 - m
         views = {name: self.buffers[name][: pt if self.fields[name].axis == "tokens" else pbs]
                  for name in CORE_FIELDS}
         if batch.carry is not None:

@@ -5,6 +5,8 @@ outputs and forward counts must equal the plain loop's, request by request."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -223,3 +225,72 @@ def test_async_streams_under_overlap_equal_plain_outputs(sdar_dir):
         assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
     finally:
         a.shutdown()
+
+
+def test_failed_launch_after_a_stop_in_flight_retries_only_live_requests(tmp_path):
+    """A batch that fails to launch is retried after the results in flight are applied; a
+    decoding request that those results finish drops out of the retry, and the others keep
+    their positions (an earlier version counted their in-flight forward twice, skipped
+    tokens and never finished)."""
+    path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=7))
+    poison, k = 7, 4
+    free = LLM(path, overlap_schedule=False).generate(
+        [[21, 22, 23]], SamplingParams(max_new_tokens=12, seed=1, temperature=5.0,
+                                       ignore_eos=True))[0].token_ids
+    stop = free[k]
+    assert stop not in free[:k] and stop != poison
+
+    def go(overlap: bool):
+        e = LLM(path, overlap_schedule=overlap, max_running_requests=4).engine
+        q = e.make_request([11, 12, 13, 14], SamplingParams(max_new_tokens=12, seed=0,
+                                                            temperature=5.0, ignore_eos=True))
+        r = e.make_request([21, 22, 23], SamplingParams(
+            max_new_tokens=12, seed=1, temperature=5.0, ignore_eos=True, stop_token_ids=[stop]))
+        p = e.make_request([poison] * 5, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        e.add_request(q)
+        e.add_request(r)
+        with fail_on_token(e.model, poison):
+            for step in range(1, 60):
+                if step == (k + 2 if overlap else k + 1):  # the step that applies r's stop
+                    e.add_request(p)
+                e.step()
+                if q.finished and r.finished and p.finished:
+                    break
+        e.drain()
+        e.check_memory()
+        return [(x.output_ids, x.finish_reason, x.error) for x in (q, r, p)]
+
+    got, want = go(True), go(False)
+    assert got == want
+    assert [x[1].value for x in got] == ["length", "stop", "error"]
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "SDARForCausalLM"])
+@pytest.mark.parametrize("how", ["abort", "stop"])
+def test_a_reused_request_id_never_gets_the_old_requests_result(tmp_path, arch, how):
+    """A request that ended (aborted, or stopped) while its next forward was queued, and a new
+    request under the same id right after: the queued result goes nowhere."""
+    path = str(make_tiny_checkpoint(arch, tmp_path, seed=0))
+
+    def go(overlap: bool):
+        e = LLM(path, overlap_schedule=overlap, max_running_requests=4, page_size=4).engine
+        sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        old = e.make_request([40, 41, 42, 43, 44, 45, 46, 47, 48], sp, rid="x")
+        e.add_request(old)
+        for _ in range(3):
+            e.step()
+        if how == "abort":
+            e.abort("x")
+        else:  # the old request stops at its next result; its following step is queued
+            old.params = dataclasses.replace(old.params, max_new_tokens=len(old.output_ids) + 1)
+            while not old.finished:
+                e.step()
+        new = e.make_request([100, 101, 102], sp, rid="x")
+        e.add_request(new)
+        while not new.finished:
+            e.step()
+        e.drain()
+        e.check_memory()
+        return new.output_ids, new.num_forward_passes, new.finish_reason, new.inflight
+
+    assert go(True) == go(False)
