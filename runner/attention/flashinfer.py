@@ -78,6 +78,14 @@ class FlashInferBackend(AttentionBackend):
                 self.workspace, "NHD", use_tensor_cores=True, use_cuda_graph=True,
                 paged_kv_indptr_buffer=kv_indptr, paged_kv_indices_buffer=kv_indices,
                 paged_kv_last_page_len_buffer=last)
+            # A CUDA-graph plan without KV splitting (the packed form below) launches its
+            # padded grid with no mask for the padding blocks, which read the plan's unwritten
+            # tail: zeroed, they repeat the first row's work (same values, written again)
+            # instead of reading whatever a reused pinned block held (FlashInfer issue 4002).
+            for wrapper in (self.prefill, self.decode):
+                pinned = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+                if pinned is not None:
+                    pinned.zero_()
         else:
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -133,7 +141,8 @@ class FlashInferBackend(AttentionBackend):
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
         rows = len(fb.seq_lens_cpu)
         packed = (fb.mode is ForwardMode.DLLM_EXTEND
-                  and rows * layer.num_kv_heads >= self.num_sms)
+                  and rows * layer.num_kv_heads >= self.num_sms
+                  and all(n == fb.block_size for n in fb.extend_lens_cpu))
         if fb.mode is ForwardMode.DECODE or packed:
             block = fb.block_size if packed else 1
             self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
