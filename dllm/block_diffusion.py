@@ -143,7 +143,6 @@ class BlockDiffusionScheduler(Scheduler):
         batch.row_inputs.update(
             step=[blk.step for blk in batch.row_state],
             num_initial_masks=[blk.num_initial_masks for blk in batch.row_state],
-            is_commit=[int(blk.resolved) for blk in batch.row_state],
             **sampling_rows(reqs),
             **config_rows(reqs),
         )

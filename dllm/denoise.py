@@ -31,7 +31,6 @@ class DenoiseResult:
 ROW_INPUTS = {  # name -> (dtype, pad)
     "step": (torch.int64, 0),
     "num_initial_masks": (torch.int64, 0),
-    "is_commit": (torch.int64, 1),
     "temperature": (torch.float32, 0.0),
     "top_k": (torch.int64, 0),
     "top_p": (torch.float32, 1.0),

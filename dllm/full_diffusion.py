@@ -260,7 +260,6 @@ class FullDiffusionScheduler(Scheduler):
         batch.row_inputs.update(
             step=[r.block.step for r in row_reqs],
             num_initial_masks=[r.block.num_initial_masks for r in row_reqs],
-            is_commit=[0] * len(row_reqs),
             **sampling_rows(row_reqs),
             **config_rows(row_reqs),
         )
