@@ -88,7 +88,7 @@ class AutoregressiveScheduler(Scheduler):
             return None
         batch = ScheduledBatch(ForwardMode.DECODE, attention_mask=AttentionMask.CAUSAL,
                                logits_mode=LogitsMode.LAST)
-        carry, carry_rows = Carry(), []
+        carry = Carry()
         for req in reqs:
             # The last output token is fed at its own position; its KV is written now. A
             # token still in flight comes from the device, one position further.
@@ -96,11 +96,9 @@ class AutoregressiveScheduler(Scheduler):
             batch.add_row(req.rid, req.req_pool_idx, [0] if n else req.output_ids[-1:],
                           req.committed_len - 1 + n)
             batch.row_reqs.append(req)
-            carry_rows.append(carry.index(*req.carry) if n else -1)
+            carry.add(req.carry if n else None)
         batch.row_inputs.update(sampling_rows(reqs))
-        batch.carry = carry.tensor()
-        if batch.carry is not None:
-            batch.row_inputs["carry_row"] = carry_rows
+        carry.attach(batch)
         return batch
 
     def launched(self, batch: ScheduledBatch, output: torch.Tensor) -> None:

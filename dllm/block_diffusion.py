@@ -129,7 +129,7 @@ class BlockDiffusionScheduler(Scheduler):
         batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
                                block_size=self.config.block_size, logits_mode=LogitsMode.ALL)
         editable: list[bool] = []
-        carry, carry_rows = Carry(), []
+        carry = Carry()
         for req, blk in rows:
             batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
             batch.row_groups.append(req.algorithm)
@@ -137,7 +137,7 @@ class BlockDiffusionScheduler(Scheduler):
             batch.row_state.append(blk)
             editable += blk.editable  # bools: the registry stores them as 0/1
             # In flight on this block: its input is that forward's output, on the device.
-            carry_rows.append(carry.index(*blk.carry) if req.inflight and blk.carry else -1)
+            carry.add(blk.carry if req.inflight else None)
         reqs = [req for req, _ in rows]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
@@ -146,9 +146,7 @@ class BlockDiffusionScheduler(Scheduler):
             **sampling_rows(reqs),
             **config_rows(reqs),
         )
-        batch.carry = carry.tensor()
-        if batch.carry is not None:
-            batch.row_inputs["carry_row"] = carry_rows
+        carry.attach(batch)
         batch.row_tensors.update(state_rows(reqs, self.req_pool.req_to_token.device))
         return batch
 

@@ -71,29 +71,35 @@ class HostCopy:
 
 
 class Carry:
-    """Collects the device token rows a batch's rows continue from (``ScheduledBatch.carry``):
-    ``index(tensor, row)`` gives a row's index into the concatenation of every source tensor
-    (one per launched forward of the step before)."""
+    """Builds a batch's ``ScheduledBatch.carry``: ``add(source)`` for each row in order, with
+    ``(tensor, row)`` for a row whose input tokens are that row of an in-flight output (one
+    source tensor per forward launched the step before), None for the host's input ids;
+    ``attach(batch)`` sets the concatenated sources and the ``carry_row`` input."""
 
     def __init__(self) -> None:
         self._offsets: dict[int, int] = {}
         self._sources: list[torch.Tensor] = []
         self._size = 0
+        self._rows: list[int] = []
 
-    def index(self, tensor: torch.Tensor, row: int) -> int:
+    def add(self, source: tuple[torch.Tensor, int] | None) -> None:
+        if source is None:
+            self._rows.append(-1)
+            return
+        tensor, row = source
         key = id(tensor)
         if key not in self._offsets:
             self._offsets[key] = self._size
             self._sources.append(tensor)
             self._size += tensor.shape[0]
-        return self._offsets[key] + row
+        self._rows.append(self._offsets[key] + row)
 
-    def tensor(self) -> torch.Tensor | None:
-        """``[n, width]``, or None when no row carries."""
+    def attach(self, batch: ScheduledBatch) -> None:
         if not self._sources:
-            return None
+            return
         rows = [t if t.dim() == 2 else t[:, None] for t in self._sources]
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        batch.carry = rows[0] if len(rows) == 1 else torch.cat(rows)
+        batch.row_inputs["carry_row"] = self._rows
 
 
 class Scheduler(ABC):
