@@ -58,6 +58,16 @@ def _denoise_block(model: torch.nn.Module, seq: list[int], *, block_size: int, m
     return block
 
 
+def _emit(out: list[int], tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> bool:
+    """Append final tokens to ``out`` up to and including the first stop id or the
+    ``max_new_tokens``-th token; True once the output has ended."""
+    for t in tokens:
+        out.append(t)
+        if t in stop_ids or len(out) == max_new_tokens:
+            return True
+    return False
+
+
 def naive_block_diffusion(
     model: torch.nn.Module,
     prompt: list[int],
@@ -84,10 +94,8 @@ def naive_block_diffusion(
         block = _denoise_block(model, seq, block_size=block_size, mask_id=mask_id, algo=algo,
                                cfg=cfg, sampling=sampling, shift=False)
         seq = seq[:start] + block
-        for t in block[fixed:]:
-            out.append(t)
-            if t in stop_ids or len(out) == max_new_tokens:
-                return out
+        if _emit(out, block[fixed:], stop_ids, max_new_tokens):
+            return out
 
 
 # ---- full-attention models (LLaDA, Dream) and Fast-dLLM v2 -----------------------------------
@@ -229,11 +237,7 @@ def naive_fast_dllm_v2(
     out: list[int] = []
 
     def emit(tokens: list[int]) -> bool:
-        for t in tokens:
-            out.append(t)
-            if t in stop_ids or len(out) == max_new_tokens:
-                return True
-        return False
+        return _emit(out, tokens, stop_ids, max_new_tokens)
 
     def next_token() -> int:
         return int(forward_full(model, seq, AttentionMask.BLOCK_CAUSAL, b)[-1].argmax())
