@@ -27,12 +27,16 @@ row runs alone or in any batch, on CPU and CUDA.
 
 Cost: with ``SamplingTensors.may_filter`` the vocabulary is sorted per position; with
 ``may_sample`` a 32-bit hash is computed per (position, vocab id). A batch whose host-side
-flags are False skips that work.
+flags are False skips that work. A batch with no sampling row on CUDA (with Triton) takes the
+greedy draw and its confidence in one pass over the logits
+(:mod:`dllm.algorithms.greedy_kernel`: the same function, its sum in another fixed order, so
+it agrees with the reference to float32 rounding and is still independent of the batch);
+``logprobs`` are then computed only if an algorithm reads them.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -51,10 +55,24 @@ from dllm.algorithms.rng import (
 _NEG_INF = float("-inf")
 
 
-class SampleOutput(NamedTuple):
-    x0: Tensor  # [bs, B] int64 proposed token per position
-    confidence: Tensor  # [bs, B] float32 probability of x0
-    logprobs: Tensor  # [bs, B, V] float32 log-probabilities of the distribution ``confidence`` uses
+class SampleOutput:
+    """``x0 [bs, B]`` int64 proposed token per position; ``log_conf [bs, B]`` float32 its
+    log-probability (the ranking key); ``confidence`` its probability; ``logprobs
+    [bs, B, V]`` float32 the log-probabilities of the distribution ``confidence`` uses,
+    computed on first use where the draw did not need them (the fused greedy draw)."""
+
+    def __init__(self, x0: Tensor, log_conf: Tensor,
+                 logprobs: Tensor | Callable[[], Tensor]):
+        self.x0 = x0
+        self.log_conf = log_conf
+        self.confidence = log_conf.exp()
+        self._logprobs = logprobs
+
+    @property
+    def logprobs(self) -> Tensor:
+        if callable(self._logprobs):
+            self._logprobs = self._logprobs()
+        return self._logprobs
 
 
 def sample_tokens(
@@ -71,6 +89,9 @@ def sample_tokens(
 
     ``exclude_id`` (the mask token) is never proposed. ``gumbel_fp64 [bs] bool`` switches
     rows to LLaDA's float64 sampler (module docstring)."""
+    if not sampling.may_sample and (fused := _greedy_kernel(logits)) is not None:
+        x0, log_conf = fused(logits, exclude_id)
+        return SampleOutput(x0, log_conf, lambda: _plain_logprobs(logits, exclude_id))
     raw = logits.float()
     bs, block, vocab = raw.shape
     sample_row = sampling.temperature > 0
@@ -103,13 +124,39 @@ def sample_tokens(
                 gumbel_fp64 & sample_row, x0, logprobs,
             )  # fmt: skip
 
-    confidence = logprobs.gather(-1, x0[..., None]).squeeze(-1).exp()
-    return SampleOutput(x0, confidence, logprobs)
+    return SampleOutput(x0, logprobs.gather(-1, x0[..., None]).squeeze(-1), logprobs)
+
+
+_FUSED_GREEDY: list = []  # [the fused greedy draw, or None where Triton is missing]
+
+
+def _greedy_kernel(logits: Tensor) -> Callable | None:
+    """The one-pass greedy draw (:mod:`dllm.algorithms.greedy_kernel`) for CUDA logits when
+    Triton is installed; None elsewhere (the reference path below)."""
+    if not logits.is_cuda:
+        return None
+    if not _FUSED_GREEDY:
+        try:
+            from dllm.algorithms import greedy_kernel
+        except ImportError:  # no Triton: the reference path
+            _FUSED_GREEDY.append(None)
+        else:
+            _FUSED_GREEDY.append(greedy_kernel)
+    kernel = _FUSED_GREEDY[0]
+    return kernel.greedy_log_confidence if kernel and kernel.supports(logits) else None
+
+
+def _plain_logprobs(logits: Tensor, exclude_id: int | None) -> Tensor:
+    """The greedy rows' log-probabilities (plain softmax, ``exclude_id`` removed)."""
+    x = logits.float().clone()
+    if exclude_id is not None:
+        x[..., exclude_id] = _NEG_INF
+    return x - log_normalizer(x)[..., None]
 
 
 def log_confidence(sample: SampleOutput) -> Tensor:
     """``[bs, B]`` float32 log-probability of ``x0``: the ranking key for confidence."""
-    return sample.logprobs.gather(-1, sample.x0[..., None]).squeeze(-1)
+    return sample.log_conf
 
 
 def entropy(logprobs: Tensor) -> Tensor:
