@@ -21,7 +21,12 @@ if [ -f .jit/fi-jit.tgz ]; then mkdir -p "$FLASHINFER_WORKSPACE_BASE" && \
   for so in "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
     name=$(basename "$so" .so); mkdir -p "/tmp/site/flashinfer/data/aot/$name" && \
     cp "$so" "/tmp/site/flashinfer/data/aot/$name/"; done; fi
-trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null' EXIT
+# Triton's kernel cache (the project's own kernels) travels the same way.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .jit/triton-cache.tgz ] && tar xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR"
+trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null; \
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # How long a fresh process takes to import FlashInfer and load (or build) one JIT module: the
 # GPU tests were slow even with the cache present (bench/NOTES.md).
@@ -30,8 +35,16 @@ print(f'import flashinfer: {time.time() - t:.1f} s'); from flashinfer.norm impor
 t = time.time(); get_norm_module(); print(f'norm module: {time.time() - t:.1f} s')"
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0 skips the GPU tests
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 \
-    tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+    -m gpu ${TEST_FILES:-tests/test_gpu*.py tests/test_algorithms.py} 2>&1 | tee "$OUT/gpu-tests.log"
 fi
+# Kernel microbenchmarks, one per ';'-separated "script args" entry, e.g.
+# MICRO="skinny_gemm.py --sweep; triton_attention.py"
+IFS=';' read -ra micros <<< "${MICRO:-}"
+for i in "${!micros[@]}"; do
+  # shellcheck disable=SC2086
+  timeout "${MICRO_TIMEOUT:-200}" python3 bench/${micros[$i]} --out "$OUT" \
+    2>&1 | tee "$OUT/micro-$i.log"
+done
 if [ -n "${GEMM_ARGS:-}" ]; then  # e.g. GEMM_ARGS="--tokens 1,4,512"
   # shellcheck disable=SC2086
   timeout "${GEMM_TIMEOUT:-120}" python3 bench/gemm_shapes.py --out "$OUT" $GEMM_ARGS \

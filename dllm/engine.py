@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import logging
 import random
@@ -183,15 +184,16 @@ class Engine:
                     self.kv_pool.memory_bytes() / 2**20)
 
     def _init_layer_ops(self) -> None:
-        """FlashInfer's fused norm/activation/RoPE kernels where its attention runs (CUDA);
-        the plain-PyTorch reference ops elsewhere."""
+        """FlashInfer's fused norm/activation/RoPE kernels where its attention runs (CUDA),
+        with the Triton kernels of ``TritonOps`` where Triton is installed; the plain-PyTorch
+        reference ops elsewhere."""
         cfg = self.config
         if (self.device.type == "cuda"
                 and resolve_backend_name(cfg.attention_backend, self.device) == "flashinfer"):
-            from dllm.runner.kernels import FlashInferOps
+            from dllm.runner.kernels import FlashInferOps, TritonOps
 
-            install_ops(self.model, FlashInferOps(self.model, self.req_pool.max_context,
-                                                  self.device))
+            ops = TritonOps if importlib.util.find_spec("triton") is not None else FlashInferOps
+            install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))
 
     def _init_cuda_graphs(self) -> None:
         """Capture denoise (block diffusion) or decode (autoregressive) steps on CUDA with

@@ -45,15 +45,16 @@ class Attention(nn.Module):
             head_dim**-0.5 if scaling is None else scaling,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        """q ``[T, H*D]``, k/v ``[T, Hkv*D]`` → ``[T, H*D]``."""
+        """q ``[T, H*D]``, k/v ``[T, Hkv*D]`` → ``[T, H*D]``. k and v None: the layer wrote
+        them to the KV cache already (``LayerOps.qkv_rope``)."""
         s = self.spec
         t = q.shape[0]
         out = forward_batch.attn_backend.forward(
             q.view(t, s.num_heads, s.head_dim),
-            k.view(t, s.num_kv_heads, s.head_dim),
-            v.view(t, s.num_kv_heads, s.head_dim),
+            None if k is None else k.view(t, s.num_kv_heads, s.head_dim),
+            None if v is None else v.view(t, s.num_kv_heads, s.head_dim),
             s,
             forward_batch,
         )

@@ -118,20 +118,13 @@ class SelfAttention(UsesOps, nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        s = self.spec
-        t = x.shape[0]
-        if self.qkv_proj is not None:  # q, k, v are column slices of one GEMM's output
-            qkv = self.qkv_proj(x)
-            q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        if self.qkv_proj is None:  # before ``fuse``: one GEMM each
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, s.num_heads, s.head_dim)  # [T, H, D], rows strided when fused
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = self.ops.head_rms_norm(q, self.q_norm.weight, s.norm_eps)
-            k = self.ops.head_rms_norm(k, self.k_norm.weight, s.norm_eps)
-        q, k = self.ops.rope(self.rotary_emb, positions, q, k, forward_batch.memo)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+            qkv = self.ops.linear(x, self.qkv_proj)
+        # q [T, H, D], k/v [T, Hkv, D]; k and v None when the ops wrote them to the KV cache.
+        q, k, v = self.ops.qkv_rope(self, qkv, positions, forward_batch)
+        return self.ops.linear(self.attn(q, k, v, forward_batch), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -175,7 +168,7 @@ class DecoderModel(nn.Module):
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(UsesOps, nn.Module):
     """Base of every model: the model contract (``forward``, ``compute_logits``,
     ``kv_cache_spec``) and the checkpoint weight rules."""
 
@@ -208,7 +201,7 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` → ``[N, vocab]`` in the model dtype."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return torch.nn.functional.linear(hidden, head.weight)
+        return self.ops.linear(hidden, head)
 
     @property
     def supports_cuda_graph(self) -> bool:

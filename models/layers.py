@@ -209,7 +209,8 @@ class SwiGLUMLP(UsesOps, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if self.gate_up_proj is not None:
-            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+            return self.ops.silu_mul_linear(self.ops.linear(x, self.gate_up_proj),
+                                            self.down_proj)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

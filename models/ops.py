@@ -1,5 +1,6 @@
 """The per-layer math that a runner may swap for fused kernels: RMSNorm (plain, with the
-residual add, per head), SwiGLU's ``silu(gate) * up`` and rotary embedding.
+residual add, per head), SwiGLU's ``silu(gate) * up``, rotary embedding and the linear
+projections of the shared decoder layers.
 
 ``LayerOps`` is the plain-PyTorch reference (the CPU path and the numerics tests compare
 against). A runner installs a faster implementation of the same interface on every module of a
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from dllm.models.decoder import SelfAttention
     from dllm.models.layers import RotaryEmbedding
+    from dllm.runner.forward_batch import ForwardBatch
 
 
 class LayerOps:
@@ -47,6 +50,34 @@ class LayerOps:
         """``silu(x[..., :d]) * x[..., d:]`` of ``[..., 2d]`` → ``[..., d]``."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def qkv_rope(self, attn: SelfAttention, qkv: torch.Tensor, positions: torch.Tensor,
+                 forward_batch: ForwardBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """From the fused q/k/v projection ``[T, (H + 2·Hkv)·D]`` of ``attn`` to attention's
+        inputs: q ``[T, H, D]`` and k ``[T, Hkv, D]`` after the per-head norms (where the
+        layer has them) and RoPE, v ``[T, Hkv, D]``. An implementation may instead write K
+        and V into the batch's KV cache itself (its slots ``out_cache_loc``) and return
+        ``(q, None, None)``, which tells the attention backend the cache is written."""
+        s = attn.spec
+        t = qkv.shape[0]
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)  # [T, H, D], rows strided
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q = self.head_rms_norm(q, attn.q_norm.weight, s.norm_eps)
+            k = self.head_rms_norm(k, attn.k_norm.weight, s.norm_eps)
+        q, k = self.rope(attn.rotary_emb, positions, q, k, forward_batch.memo)
+        return q, k, v.view(t, s.num_kv_heads, s.head_dim)
+
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """``x @ layer.weight.T (+ layer.bias)`` of ``x`` ``[T, K]`` (an ``nn.Linear``, or a
+        module with a ``weight`` and no bias: the LM head, a tied embedding)."""
+        return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+    def silu_mul_linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        """``layer(silu_and_mul(x))``: SwiGLU's down projection of the fused gate/up output."""
+        return self.linear(self.silu_and_mul(x), layer)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Fused layer kernels from FlashInfer (GPU only; imported lazily, like the attention backend).
+"""Fused layer kernels from FlashInfer and Triton (GPU only; imported lazily, like the attention
+backend).
 
 ``FlashInferOps`` implements ``dllm.models.ops.LayerOps`` with one kernel per op where the
 reference takes several: RMSNorm, residual add + RMSNorm (in place), per-head RMSNorm of the
@@ -6,12 +7,18 @@ strided q/k slices of the fused projection, ``silu(gate) * up``, and RoPE of q a
 from a float32 cos/sin table indexed by position. Each kernel keeps float32 inside and rounds
 once, so results match the reference within the activation dtype's rounding. Dtypes
 FlashInfer has no kernel for (float32) take the reference path.
+
+``TritonOps`` adds the project's Triton kernels where Triton is installed: the q/k head norms,
+RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``), and a
+weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
+for some of those shapes and adds a reduction kernel).
 """
 
 from __future__ import annotations
 
 import flashinfer
 import torch
+import torch.nn.functional as F
 from flashinfer.rope import _apply_rope_pos_ids_cos_sin_cache
 from flashinfer.utils import device_support_pdl
 from torch import nn
@@ -73,3 +80,42 @@ class FlashInferOps(LayerOps):
             # Non-interleaved (NeoX/HF ``rotate_half``) pairs; rotary_dim is the table's width.
             _apply_rope_pos_ids_cos_sin_cache(q, k, q_out, k_out, table, positions, False)
         return q_out.view(t, h * d), k_out.view(t, k.shape[1] * d)
+
+
+class TritonOps(FlashInferOps):
+    name = "triton"
+
+    def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
+        super().__init__(model, max_positions, device)
+        from dllm.runner import fused_qkv, skinny_gemm
+
+        self._qkv = fused_qkv
+        self._gemm = skinny_gemm
+
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        weight, bias = layer.weight, getattr(layer, "bias", None)
+        if self._gemm.supports(x, weight, bias):
+            return self._gemm.skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def qkv_rope(self, attn, qkv, positions, forward_batch):
+        s = attn.spec
+        fb = forward_batch
+        table = self.cos_sin.get(attn.rotary_emb.spec)
+        if table is None or not self._qkv.supports(qkv, s.num_heads, s.num_kv_heads,
+                                                   s.head_dim, table.shape[-1]):
+            return super().qkv_rope(attn, qkv, positions, fb)
+        args = (qkv, s.num_heads, s.num_kv_heads, s.head_dim,
+                attn.q_norm.weight if s.qk_norm else None,
+                attn.k_norm.weight if s.qk_norm else None, s.norm_eps, table, positions)
+        if fb.kv_pool is not None and fb.out_cache_loc.shape[0] == qkv.shape[0]:
+            k_buf, v_buf = fb.kv_pool.get_kv(attn.attn.spec.layer_id)
+            if self._qkv.supports_store(qkv, s.num_heads, s.num_kv_heads, s.head_dim,
+                                        table.shape[-1], k_buf, v_buf):
+                # K and V go straight into the cache: the backend skips its own write.
+                return self._qkv.qk_norm_rope_store(*args, k_buf, v_buf, fb.out_cache_loc), \
+                    None, None
+        q, k = self._qkv.qk_norm_rope(*args)
+        t = qkv.shape[0]
+        v = qkv[:, (s.num_heads + s.num_kv_heads) * s.head_dim:]
+        return q, k, v.view(t, s.num_kv_heads, s.head_dim)

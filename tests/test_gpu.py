@@ -55,14 +55,17 @@ CASES = {  # mode, prefix lens, extend lens, seq lens, mask, block size
 }
 
 
-@pytest.mark.parametrize("case", [*sorted(CASES), "dllm_extend_packed"])
+@pytest.mark.parametrize("case", [*sorted(CASES), "dllm_extend_packed", "dllm_extend_triton"])
 def test_flashinfer_equals_sdpa(case):
     from dllm.runner.attention.flashinfer import FlashInferBackend
 
-    # ``dllm_extend_packed``: the decode form a batch that fills the GPU takes (rows × KV heads
-    # >= SMs), forced here on three rows by counting one SM.
+    # ``dllm_extend`` runs the Triton kernel where Triton is installed; the FlashInfer forms
+    # are forced by hiding it. ``dllm_extend_packed``: the decode form a batch that fills the
+    # GPU takes (rows × KV heads >= SMs), forced here on three rows by counting one SM.
     packed = case.endswith("_packed")
-    mode, prefix, ext, seq, mask, bsz = CASES[case.removesuffix("_packed")]
+    use_triton = case.endswith("_triton")
+    mode, prefix, ext, seq, mask, bsz = CASES[case.removesuffix("_packed").removesuffix(
+        "_triton")]
     dev = torch.device("cuda")
     torch.manual_seed(0)
     req_pool = ReqToTokenPool(4, 256, dev)
@@ -81,6 +84,10 @@ def test_flashinfer_equals_sdpa(case):
     v = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16)
     outs = []
     fi = FlashInferBackend(dev, P)
+    if use_triton:
+        assert fi.triton_extend is not None, "needs triton"
+    else:
+        fi.triton_extend = None
     if packed:
         fi.num_sms = 1
     for backend in (SDPABackend(), fi):
@@ -88,7 +95,9 @@ def test_flashinfer_equals_sdpa(case):
         backend.prepare(fb)
         outs.append(backend.forward(q, k, v, LAYER, fb).float())
     assert (outs[0] - outs[1]).abs().max().item() < 2e-2
-    assert fi._planned[1] == (bsz if packed else 1)  # the form the case is about ran
+    # the form the case is about ran
+    assert fi._planned[1] == (bsz if packed or use_triton else 1)
+    assert (fi._planned[0] is None) == use_triton
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +211,47 @@ def test_flashinfer_layer_ops_match_reference(rotary_factor):
     if rotary_factor < 1:  # channels past rotary_dim pass through unchanged
         rot = int(d * rotary_factor)
         assert torch.equal(fq.view(t, h, d)[..., rot:], q[..., rot:])
+
+
+def test_triton_ops_match_the_reference_ops():
+    """``TritonOps``: the layer's q/k norms + RoPE + KV-cache write in one launch, and the
+    skinny GEMM for at most 16 tokens, against the plain-PyTorch ops."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from dllm.models.config import ModelConfig
+    from dllm.models.decoder import AttentionSpec, SelfAttention
+    from dllm.models.layers import RopeSpec
+    from dllm.models.ops import TORCH_OPS
+    from dllm.runner.kernels import TritonOps
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    spec = AttentionSpec(hidden_size=1024, num_heads=H, num_kv_heads=HKV, head_dim=D,
+                         rope=RopeSpec.from_config(ModelConfig({"rope_theta": 1e6}), D),
+                         qk_norm=True)
+    attn = SelfAttention(spec, 0)
+    for w in (attn.q_norm.weight, attn.k_norm.weight):
+        torch.nn.init.normal_(w, 1.0, 0.1)
+    attn.fuse()
+    attn.to(dev, torch.bfloat16)
+    ops = TritonOps(attn, 4096, dev)
+    req_pool = ReqToTokenPool(4, 256, dev)
+    kv_pool = TokenToKVPool(64, P, 1, HKV, D, torch.bfloat16, dev)
+    for r in range(1, 4):
+        req_pool.req_to_token[r] = kv_pool.slots_for(kv_pool.alloc_pages(16)[::-1], 0,
+                                                     256).to(dev)
+    mode, prefix, ext, seq, mask, bsz = CASES["dllm_extend"]
+    fb = batch(mode, prefix, ext, seq, mask, bsz, req_pool, kv_pool, SDPABackend())
+    x = torch.randn(sum(ext), 1024, device=dev, dtype=torch.bfloat16)
+    for m in (1, 4, 16):  # the skinny GEMM; more rows take cuBLAS
+        want = F.linear(x[:m].double(), attn.qkv_proj.weight.double())
+        assert _rel(ops.linear(x[:m], attn.qkv_proj), want) < 1e-2
+    qkv = ops.linear(x, attn.qkv_proj)
+    q, k, v = ops.qkv_rope(attn, qkv, fb.positions, fb)
+    assert k is None and v is None  # written to the cache by the same launch
+    rq, rk, rv = TORCH_OPS.qkv_rope(attn, qkv, fb.positions, fb)
+    assert _rel(q, rq) < 1e-2
+    k_buf, v_buf = kv_pool.get_kv(0)
+    assert _rel(k_buf[fb.out_cache_loc], rk) < 1e-2
+    assert torch.equal(v_buf[fb.out_cache_loc], rv)

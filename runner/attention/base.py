@@ -27,7 +27,9 @@ class AttentionBackend(ABC):
     """Contract: ``prepare`` is called once per forward before the model runs; ``forward`` is
     called by every attention layer with this layer's new ``q`` ``[T, H, D]``, ``k``/``v``
     ``[T, Hkv, D]``. It writes ``k``/``v`` to ``forward_batch.out_cache_loc`` when the batch has
-    a KV cache, and returns ``[T, H, D]`` attended under ``forward_batch.attention_mask``."""
+    a KV cache, and returns ``[T, H, D]`` attended under ``forward_batch.attention_mask``.
+    ``k``/``v`` None (only with a KV cache): the layer has written them there already (a
+    fused kernel, ``LayerOps.qkv_rope``)."""
 
     name: str = "base"
 
@@ -38,8 +40,8 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor: ...

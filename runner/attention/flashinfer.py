@@ -1,7 +1,10 @@
 """FlashInfer attention over the paged KV cache (DESIGN §8). GPU only; imported lazily.
 
 One plan per forward, reused by every layer:
-- ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
+- ``DLLM_EXTEND`` where every row is one whole block and Triton is installed: no FlashInfer
+  plan, the project's Triton kernel (``dllm.runner.attention.triton_extend``: q and the output
+  in their natural layout, one program per row and KV head);
+- other ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
   prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``. A batch with
   enough rows to fill the GPU alone (rows × KV heads ≥ SMs) runs each row as one decode query
   of ``block_size × heads`` query heads instead (each KV head's group of query heads times the
@@ -22,6 +25,8 @@ built on the host, so planning reads nothing back from the GPU.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import flashinfer
 import torch
@@ -90,6 +95,14 @@ class FlashInferBackend(AttentionBackend):
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True)
+        # ``DLLM_EXTEND`` with every row a whole block runs the Triton kernel where Triton is
+        # installed (``triton_extend``: no plan, no head permutation, 1.6× faster than the
+        # packed form below at 128 rows of SDAR-8B and 1.9× than the paged prefill at one).
+        self.triton_extend = None
+        if importlib.util.find_spec("triton") is not None:
+            from dllm.runner.attention import triton_extend
+
+            self.triton_extend = triton_extend
         # The wrapper planned for this forward, and the query tokens per decode row (the
         # block size for ``DLLM_EXTEND``, else 1).
         self._planned: tuple[object, int] | None = None
@@ -116,7 +129,14 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, fb: ForwardBatch, layer: AttentionLayer,
               dtype: torch.dtype) -> tuple[object, int]:
         """Plan the batch (or reuse the last plan, for the same layout); returns the wrapper
-        whose ``run`` every layer calls, and the query tokens it packs per row."""
+        whose ``run`` every layer calls, and the query tokens it packs per row (``None``
+        and the block size: the Triton kernel, which needs no plan)."""
+        if (self.triton_extend is not None and fb.mode is ForwardMode.DLLM_EXTEND
+                and all(n == fb.block_size for n in fb.extend_lens_cpu)
+                and self.triton_extend.supports(dtype, fb.kv_pool.dtype, layer.num_heads,
+                                                layer.num_kv_heads, layer.head_dim,
+                                                self.device)):
+            return None, fb.block_size
         if fb.layout_key is not None and self._last is not None and self._last[0] == fb.layout_key:
             return self._last[1]
         self._last = None
@@ -162,18 +182,24 @@ class FlashInferBackend(AttentionBackend):
                           head_dim_qk=layer.head_dim, custom_mask=mask, causal=causal, **common)
         return self.prefill, 1
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
         fb = forward_batch
         if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
             return q.new_empty(q.shape)
-        fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+        if k is not None:  # else written by the layer
+            fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
         if self._planned is None:
             self._planned = self._plan(fb, layer, q.dtype)
         k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
         shape = (-1, self.page_size, layer.num_kv_heads, layer.head_dim)
         cache = (k_buf.view(shape), v_buf.view(shape))
         wrapper, block = self._planned
+        if wrapper is None:  # the Triton kernel: rows of ``block`` tokens, natural layout
+            rows = q.shape[0] // block
+            return self.triton_extend.dllm_extend_attention(
+                q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[:rows],
+                fb.seq_lens[:rows], block, layer.scaling)
         if block == 1:
             return wrapper.run(q.contiguous(), cache)
         # [rows·block, heads, d] -> [rows, kv heads · block · group, d]: query head

@@ -20,8 +20,8 @@ class SDPABackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
@@ -29,7 +29,8 @@ class SDPABackend(AttentionBackend):
         if fb.mode is ForwardMode.IDLE or q.shape[0] == 0:
             return q.new_empty(q.shape)
         if fb.kv_pool is not None:
-            fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+            if k is not None:  # else written by the layer
+                fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
             k_buf, v_buf = fb.kv_pool.get_kv(layer.layer_id)
         out = torch.empty_like(q)
         group = layer.num_heads // layer.num_kv_heads

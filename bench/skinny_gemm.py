@@ -1,0 +1,301 @@
+"""The Triton skinny GEMM (``dllm.runner.skinny_gemm``) against cuBLAS (``F.linear``) on the
+SDAR-8B / Qwen3-8B weight shapes at 1-16 tokens, bf16, with the copy-bandwidth ceiling measured
+in the same run.
+
+    python bench/skinny_gemm.py --tokens 1,4,8,16 [--sweep] [--lm-head]
+
+Each time is the median over replays of a CUDA graph holding many calls, the calls taking
+turns among enough weight copies (>= 400 MB together, several times the 50-60 MB L2) that
+every call reads its weight from HBM, as in a step where 36 layers pass in between. TB/s counts
+the weight plus x and the output once. Every result is checked against a float64 reference
+(``||y - ref|| / ||ref|| < 1e-2``) with the output poisoned with NaN before the call.
+
+``--sweep`` times a handful of candidate configurations per shape and prints, per (N, K), the
+configuration with the least total time over the token counts (configs are keyed on (N, K)
+only, never on M, so a row's result does not depend on the batch) and whether it beats cuBLAS
+at every token count, as a ``CONFIGS`` table to paste into ``runner/skinny_gemm.py``.
+Writes ``skinny-gemm-<timestamp>.md`` / ``.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from dllm.runner import skinny_gemm as sg
+except ImportError:  # not installed: load the module from the checkout
+    _path = Path(__file__).resolve().parent.parent / "runner" / "skinny_gemm.py"
+    _spec = importlib.util.spec_from_file_location("skinny_gemm", _path)
+    sg = importlib.util.module_from_spec(_spec)
+    sys.modules["skinny_gemm"] = sg
+    _spec.loader.exec_module(sg)
+
+# (name, N, K) of the 8B shapes (hidden 4096, intermediate 12288, 32/8 heads of 128).
+SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),
+          ("down", 4096, 12288)]
+LM_HEAD = ("lm_head", 151936, 4096)
+ROTATE_BYTES = 400 * 2**20
+SMEM_LIMIT = 200 * 1024  # bytes of shared memory a candidate's pipeline may use (H200: 227 KB)
+
+
+def environment() -> dict:
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0)
+            .multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * 2**30 / statistics.median(times)
+
+
+def graph_us(call, weights: list[torch.Tensor], n_calls: int, replays: int = 15) -> float:
+    """Median µs per call over replays of one CUDA graph of ``n_calls`` calls that take turns
+    among ``weights``."""
+    for w in weights:  # compile / warm up outside the capture
+        call(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_calls):
+            call(weights[i % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n_calls)
+    del graph
+    return statistics.median(times)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(y).all():
+        return float("nan")
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def candidates(n: int, k: int) -> list:
+    """A few dozen configurations per shape: tile widths 16-128, K tiles 128-512, pipelines
+    holding ~32, ~64 or ~96 KB of W per program, and the K splits that bring the grid to
+    between ~1 and ~12 programs per SM (split-K costs a second, reduction kernel)."""
+    out = []
+    for bn in (16, 32, 64, 128):
+        for bk in (128, 256, 512):
+            tile = bn * bk * 2
+            for stages in sorted({max(2, min(10, kb * 1024 // tile)) for kb in (32, 64, 96)}):
+                if stages * (bn + 16) * bk * 2 > SMEM_LIMIT:
+                    continue
+                for split in (1, 2, 3, 4):
+                    progs = -(-n // bn) * split
+                    if k % (bk * split) or k // (bk * split) < 4 or not 120 <= progs <= 1600:
+                        continue
+                    out.append(sg.SkinnyConfig(bn, bk, split, 8 if bn == 128 else 4, stages))
+    # The non-swapped operand order and 8 warps, for the table's config.
+    base = sg.config_for(n, k)
+    out += [sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, base.num_warps,
+                            base.num_stages, swap_ab=False),
+            sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, 8, base.num_stages),
+            base]
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tokens", default="1,4,8,16")
+    ap.add_argument("--sweep", action="store_true", help="time candidate configs per shape")
+    ap.add_argument("--lm-head", action="store_true", help="also the N=151936 LM head")
+    ap.add_argument("--shapes", default="", help="comma list of shape names (default all)")
+    ap.add_argument("--max-configs", type=int, default=0, help="cap candidates per shape")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/skinny_gemm.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = SHAPES + ([LM_HEAD] if args.lm_head else [])
+    if args.shapes:
+        shapes = [s for s in SHAPES + [LM_HEAD] if s[0] in args.shapes.split(",")]
+    env = environment()
+    bw = copy_bandwidth()
+    print(f"{env}\ncopy ceiling: {bw / 1e12:.2f} TB/s", flush=True)
+    dt = torch.bfloat16
+    rows, sweep = [], []
+    failures = 0
+    t_start = time.time()
+    for name, n, k in shapes:
+        copies = max(1, -(-ROTATE_BYTES // (2 * n * k)))
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) * k**-0.5 for _ in range(copies)]
+        n_calls = max(20, copies * -(-20 // copies)) if n * k < 10**9 else 8
+        xs = {m: torch.randn(m, k, device="cuda", dtype=dt) for m in tokens}
+        refs = {m: xs[m].double() @ ws[0].double().T for m in tokens}
+        byts = {m: 2 * (n * k + m * k + m * n) for m in tokens}
+
+        def check(fn, m, xs=xs, ws=ws, refs=refs, n=n):
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+            fn(xs[m], ws[0], y)
+            return rel_err(y, refs[m])
+
+        cublas = {}
+        for m in tokens:
+            us = graph_us(lambda w, x=xs[m]: F.linear(x, w), ws, n_calls)
+            err = check(lambda x, w, y: y.copy_(F.linear(x, w)), m)
+            cublas[m] = us
+            rows.append(dict(shape=name, n=n, k=k, m=m, impl="cublas", config="", us=us,
+                             tb_s=byts[m] / us / 1e6, err=err))
+        configs = candidates(n, k) if args.sweep else [sg.config_for(n, k)]
+        if args.max_configs:
+            configs = configs[-args.max_configs:]
+        default = sg.config_for(n, k)
+        for cfg in configs:
+            for m in tokens:
+                try:
+                    err = check(lambda x, w, y, cfg=cfg: sg.skinny_linear(
+                        x, w, config=cfg, out=y), m)
+                    us = graph_us(lambda w, x=xs[m], cfg=cfg: sg.skinny_linear(
+                        x, w, config=cfg), ws, n_calls)
+                except Exception as e:  # noqa: BLE001 (out of resources, compile errors)
+                    print(f"  {name} {cfg.label()} M={m}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}", flush=True)
+                    break
+                ok = err == err and err < 1e-2
+                failures += not ok
+                r = dict(shape=name, n=n, k=k, m=m, impl="skinny", config=cfg.label(),
+                         cfg=cfg.__dict__, us=us, tb_s=byts[m] / us / 1e6, err=err,
+                         vs_cublas=cublas[m] / us, ok=ok)
+                sweep.append(r)
+                if cfg == default:
+                    rows.append(r)
+            print(f"  {name} {cfg.label():>20}: " + " ".join(
+                f"M{r['m']}={r['us']:.1f}us/{r['tb_s']:.2f}" for r in sweep
+                if r["shape"] == name and r["config"] == cfg.label()), flush=True)
+        del ws, xs, refs
+        torch.cuda.empty_cache()
+
+    lines = [f"# Skinny GEMM vs cuBLAS, bf16 ({env['gpu']}, torch {env['torch']}, "
+             f"triton {env['triton']})", "",
+             f"Copy ceiling (2 GiB device-to-device, read + write): {bw / 1e12:.2f} TB/s", "",
+             "## Table config (`config_for(N, K)`) vs cuBLAS", "",
+             "| shape | N | K | M | cuBLAS µs | cuBLAS TB/s | skinny µs | skinny TB/s | "
+             "speedup | config | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, n, k in shapes:
+        for m in tokens:
+            c = next(r for r in rows if r["impl"] == "cublas" and r["shape"] == name
+                     and r["m"] == m)
+            s = next((r for r in rows if r["impl"] == "skinny" and r["shape"] == name
+                      and r["m"] == m), None)
+            if s is None:
+                lines.append(f"| {name} | {n} | {k} | {m} | {c['us']:.1f} | "
+                             f"{c['tb_s']:.2f} | failed | | | | |")
+                continue
+            lines.append(f"| {name} | {n} | {k} | {m} | {c['us']:.1f} | {c['tb_s']:.2f} | "
+                         f"{s['us']:.1f} | {s['tb_s']:.2f} | {c['us'] / s['us']:.2f}x | "
+                         f"{s['config']} | {s['err']:.1e} |")
+    recommended = {}
+    if args.sweep:
+        lines += ["", "## Sweep: best config per (N, K, M)", "",
+                  "| shape | M | best config | µs | TB/s | cuBLAS µs | speedup |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, _n, _k in shapes:
+            for m in tokens:
+                cand = [r for r in sweep if r["shape"] == name and r["m"] == m and r["ok"]]
+                if not cand:
+                    continue
+                b = min(cand, key=lambda r: r["us"])
+                lines.append(f"| {name} | {m} | {b['config']} | {b['us']:.1f} | "
+                             f"{b['tb_s']:.2f} | {cublas_us(rows, name, m):.1f} | "
+                             f"{b['vs_cublas']:.2f}x |")
+        lines += ["", "## Sweep: one config per (N, K) (least total time over M)", "",
+                  "| shape | N | K | config | " + " | ".join(f"M={m} µs (TB/s, vs cuBLAS)"
+                                                          for m in tokens)
+                  + " | beats cuBLAS at every M |",
+                  "|---|---|---|---|" + "---|" * len(tokens) + "---|"]
+        for name, n, k in shapes:
+            best = _best_config(sweep, name, len(tokens))
+            if best is None:
+                continue
+            sel = {r["m"]: r for r in sweep if r["shape"] == name
+                   and r["config"] == best.label()}
+            recommended[f"{n},{k}"] = best.__dict__
+            lines.append(f"| {name} | {n} | {k} | {best.label()} | " + " | ".join(
+                f"{sel[m]['us']:.1f} ({sel[m]['tb_s']:.2f}, {sel[m]['vs_cublas']:.2f}x)"
+                for m in tokens) + f" | {all(sel[m]['vs_cublas'] > 1 for m in tokens)} |")
+        lines += ["", "Paste into `runner/skinny_gemm.py`:", "", "```python",
+                  "CONFIGS: dict[tuple[int, int], SkinnyConfig] = {"]
+        for name, n, k in shapes:
+            c = recommended.get(f"{n},{k}")
+            if c:
+                lines.append(f"    ({n}, {k}): SkinnyConfig({c['block_n']}, {c['block_k']}, "
+                             f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, "
+                             f"{c['swap_ab']}),  # {name}")
+        lines += ["}", "```"]
+    lines += ["", f"{failures} failed correctness checks; {time.time() - t_start:.0f} s."]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"skinny-gemm-{stamp}.md").write_text(text + "\n")
+    (out / f"skinny-gemm-{stamp}.json").write_text(json.dumps(
+        dict(env=env, copy_bytes_per_s=bw, tokens=tokens, rows=rows, sweep=sweep,
+             recommended=recommended, failures=failures), indent=1) + "\n")
+    print(f"wrote {out / f'skinny-gemm-{stamp}.md'}")
+    return 1 if failures else 0
+
+
+def cublas_us(rows: list[dict], name: str, m: int) -> float:
+    return next(r["us"] for r in rows if r["impl"] == "cublas" and r["shape"] == name
+                and r["m"] == m)
+
+
+def _best_config(sweep: list[dict], name: str, n_tokens: int | None = None):
+    """The config with the least total time over the token counts (complete, correct runs)."""
+    totals: dict[str, list] = {}
+    for r in sweep:
+        if r["shape"] == name:
+            totals.setdefault(r["config"], []).append(r)
+    full = {c: rs for c, rs in totals.items() if all(r["ok"] for r in rs)
+            and (n_tokens is None or len(rs) == n_tokens)}
+    if not full:
+        return None
+    best = min(full.values(), key=lambda rs: sum(r["us"] for r in rs))
+    return sg.SkinnyConfig(**best[0]["cfg"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""The ``DLLM_EXTEND`` attention of one layer alone: the Triton paged kernel
+(runner/attention/triton_extend.py) against FlashInfer's packed decode form (the production
+path at large batch, with and without its two head permutations) and its paged prefill with
+``causal=False``, on SDAR-8B and LLaDA2-mini shapes, over a KV pool of shuffled pages.
+
+    python bench/triton_attention.py --rows 1,8,32,128 --keys 330 [--sweep]
+
+Each form is checked against a float32 reference first. ``µs``: the median of single calls
+each after a read of 256 MB (L2 holds other, clean data: the KV comes from HBM, as in a step
+where 36 layers pass in between); also ``triton.testing.do_bench``'s median (its L2 flush
+zeroes a buffer, whose dirty lines are written back during the timed call: slower) and the
+mean CUDA-graph replay (one launch a replay, L2 not flushed). The sweep uses do_bench. GB/s counts the KV bytes the rows must read (K and V of
+every key of every KV head, once). Prints a markdown table; writes ``triton-attn-*.md`` and
+``.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
+
+# name: (query heads, KV heads, head dim, block size)
+MODELS = {"sdar-8b": (32, 8, 128, 4), "llada2-mini": (16, 4, 128, 32)}
+PAGE = 16
+SWEEP = [dict(BLOCK_N=n, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
+         for n in (32, 64) for w in (4, 8) for s in (1, 2, 3) for p in (0, 1, 2)
+         for f in (False, True)]
+SWEEP += [dict(BLOCK_N=128, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
+          for w in (4, 8) for s in (2, 3) for p in (0, 1) for f in (False, True)]
+
+
+def environment() -> dict:
+    import triton
+
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__,
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        env["flashinfer"] = None
+    return env
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device copy."""
+    import triton
+
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * 2**31 / (ms * 1e-3)
+
+
+def build(rows: int, keys: int, jitter: float, h: int, hkv: int, d: int, block: int,
+          seed: int):
+    """A batch of ``rows`` rows with about ``keys`` keys each (uniform within ±jitter, at
+    least one block), their pages shuffled over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = max(block, int(keys * (1 - jitter))), max(block, int(keys * (1 + jitter)))
+    seq = torch.randint(lo, hi + 1, (rows,), generator=g)
+    pages = (seq + PAGE - 1) // PAGE
+    width = int(pages.max()) * PAGE
+    perm = (torch.randperm(int(pages.sum()), generator=g) + 1).tolist()  # page 0: padding
+    table = torch.zeros(rows + 1, width, dtype=torch.int64)
+    at = 0
+    for r in range(rows):
+        mine = torch.tensor(perm[at : at + int(pages[r])], dtype=torch.int64)
+        at += int(pages[r])
+        t = torch.arange(int(pages[r]) * PAGE)
+        table[r + 1, : t.numel()] = mine[t // PAGE] * PAGE + t % PAGE
+    slots = (int(pages.sum()) + 1) * PAGE
+    dev = torch.device("cuda")
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    return dict(
+        q=torch.randn(rows * block, h, d, **bf),
+        k=torch.randn(slots, hkv, d, **bf), v=torch.randn(slots, hkv, d, **bf),
+        table=table.to(dev), req=torch.arange(1, rows + 1, device=dev),
+        seq=seq.to(dev), seq_cpu=seq, pages=pages, perm_pages=perm, block=block,
+        kv_bytes=int(seq.sum()) * hkv * d * 2 * 2)
+
+
+def flashinfer_forms(b: dict, h: int, hkv: int, d: int, scale: float) -> dict:
+    """FlashInfer callables as runner/attention/flashinfer.py plans them."""
+    import flashinfer
+
+    dev = b["q"].device
+    rows, block = b["seq_cpu"].numel(), b["block"]
+    indptr = torch.zeros(rows + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(b["pages"], 0)
+    # The rows' page ids in order, from the table (slot // page at 0, 16, 32, ...).
+    idx = torch.cat([b["table"][r + 1, : int(p) * PAGE : PAGE] // PAGE
+                     for r, p in enumerate(b["pages"].tolist())]).to(torch.int32)
+    last = (b["seq_cpu"] - (b["pages"] - 1) * PAGE).to(torch.int32)
+    common = dict(num_kv_heads=hkv, page_size=PAGE, q_data_type=torch.bfloat16,
+                  kv_data_type=torch.bfloat16, sm_scale=scale)
+    cache = (b["k"].view(-1, PAGE, hkv, d), b["v"].view(-1, PAGE, hkv, d))
+    forms = {}
+    ws_d = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    dec = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws_d, "NHD", use_tensor_cores=True)
+    dec.plan(indptr, idx, last, num_qo_heads=h * block, head_dim=d, disable_split_kv=True,
+             **common)
+    g = h // hkv
+    q = b["q"]
+    packed_q = q.view(rows, block, hkv, g, d).transpose(1, 2).reshape(rows, -1, d).contiguous()
+
+    def packed_full():
+        rq = q.view(rows, block, hkv, g, d).transpose(1, 2).reshape(rows, -1, d)
+        out = dec.run(rq, cache)
+        return out.view(rows, hkv, block, g, d).transpose(1, 2).reshape(rows * block, h, d)
+
+    forms["flashinfer decode packed (kernel)"] = (lambda: dec.run(packed_q, cache), None)
+    forms["flashinfer decode packed + 2 permutations"] = (packed_full, packed_full)
+    ws_p = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    pre = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws_p, "NHD")
+    qo = torch.arange(rows + 1, dtype=torch.int32) * block
+    pre.plan(qo, indptr, idx.to(dev), last, num_qo_heads=h, head_dim_qk=d, causal=False,
+             **common)
+    forms["flashinfer prefill causal=False"] = (lambda: pre.run(q, cache),
+                                                lambda: pre.run(q, cache))
+    return forms
+
+
+def cold_us(fn, flush: torch.Tensor, reps: int = 50) -> float:
+    """Median µs of one call after a read of a buffer larger than L2 (leaving its lines
+    clean: ``do_bench`` zeroes its flush buffer, whose dirty lines are then written back
+    during the timed call)."""
+    fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for a, b in zip(starts, ends, strict=True):
+        flush.sum()
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in zip(starts, ends, strict=True))[reps // 2] * 1e3
+
+
+def _err(e: float | None) -> str:
+    return "" if e is None else f"{e:.1e}"
+
+
+def graph_replay_us(fn, iters: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--rows", default="1,8,32,128")
+    ap.add_argument("--keys", type=int, default=330, help="mean keys per row")
+    ap.add_argument("--jitter", type=float, default=0.25,
+                    help="keys per row uniform in keys·(1 ± jitter)")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time BLOCK_N × num_warps × num_stages × PREFETCH × KV_FIRST")
+    ap.add_argument("--sweep-rows", default="32,128", help="row counts the sweep runs at")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/triton_attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    env = environment()
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    env["copy_bytes_per_s"] = bw
+    print(json.dumps(env))
+    use_fi = env["flashinfer"] is not None and not args.no_flashinfer
+    flush = torch.ones(256 * 2**20 // 4, dtype=torch.float32, device="cuda")
+    results = []
+    failures = []
+
+    def bench(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+    for model in args.models.split(","):
+        h, hkv, d, block = MODELS[model]
+        scale = d**-0.5
+        for rows in map(int, args.rows.split(",")):
+            b = build(rows, args.keys, args.jitter, h, hkv, d, block, seed=rows)
+            call = (b["q"], b["k"], b["v"], b["table"], b["req"], b["seq"], block, scale)
+            ref = reference(*call)
+            base = dict(model=model, rows=rows, mean_keys=float(b["seq_cpu"].float().mean()),
+                        kv_mb=b["kv_bytes"] / 1e6, floor_us=b["kv_bytes"] / bw * 1e6)
+
+            def timed(fn, graph=False, flush=flush):
+                us = bench(fn)
+                extra = dict(zeroed_l2_us=us, clean_l2_us=cold_us(fn, flush))
+                if graph:  # (FlashInfer's eager wrappers are not captured here)
+                    extra["graph_replay_us"] = graph_replay_us(fn)
+                return extra["clean_l2_us"], extra
+
+            def record(impl, us, out, extra=None, base=base, ref=ref, b=b):
+                err = (out.float() - ref).abs().max().item() if out is not None else None
+                row = dict(base, impl=impl, us=us, gb_s=b["kv_bytes"] / us / 1e3,
+                           max_err=err, **(extra or {}))
+                results.append(row)
+                if err is not None and not err < 2e-2:
+                    failures.append(row)
+                return row
+
+            out = torch.full_like(b["q"], float("nan"))
+            cfg = default_config(block * h // hkv, d)
+            dllm_extend_attention(*call, out=out)
+            t, extra = timed(lambda call=call, out=out: dllm_extend_attention(*call, out=out),
+                             graph=True)
+            record("triton (default)", t, out, dict(extra, config=cfg))
+            if args.sweep and str(rows) in args.sweep_rows.split(","):
+                best = None
+                for c in SWEEP:
+                    try:
+                        o = torch.full_like(b["q"], float("nan"))
+                        dllm_extend_attention(*call, out=o, config=c)
+                        us = bench(lambda call=call, o=o, c=c: dllm_extend_attention(
+                            *call, out=o, config=c))
+                    except Exception as e:  # out of shared memory, say
+                        print(f"{model} rows {rows} {c}: {type(e).__name__}: {e}"[:300])
+                        continue
+                    row = record("triton sweep", us, o, dict(config={**cfg, **c}))
+                    if best is None or us < best["us"]:
+                        best = row
+                if best is not None:
+                    results.append(dict(best, impl="triton (best of sweep)"))
+            if use_fi:
+                try:
+                    for name, (fn, checked) in flashinfer_forms(b, h, hkv, d, scale).items():
+                        o = checked() if checked is not None else None
+                        us, extra = timed(fn)
+                        record(name, us, o, extra)
+                except Exception as e:
+                    print(f"flashinfer failed on {model} rows {rows}: {type(e).__name__}: {e}")
+            del b, call, ref
+            torch.cuda.empty_cache()
+
+    head = ("| model | rows | mean keys | KV MB | impl | µs | GB/s | × KV floor | "
+            "µs, do_bench | graph replay µs | max err | config |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    shown = [r for r in results if r["impl"] != "triton sweep"]
+    md = head + "".join(
+        f"| {r['model']} | {r['rows']} | {r['mean_keys']:.0f} | {r['kv_mb']:.1f} | {r['impl']} | "
+        f"{r['us']:.1f} | {r['gb_s']:.0f} | {r['us'] / r['floor_us']:.2f} | "
+        f"{r.get('zeroed_l2_us', float('nan')):.1f} | "
+        f"{r.get('graph_replay_us', float('nan')):.1f} | "
+        f"{_err(r['max_err'])} | "
+        f"{r.get('config', '')} |\n" for r in shown)
+    print(md)
+    if failures:
+        print(f"ACCURACY FAILURES: {len(failures)}")
+        for r in failures:
+            print(r)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"triton-attn-{stamp}.md").write_text(
+        f"# Triton DLLM_EXTEND attention, {stamp}\n\n{json.dumps(env)}\n\n"
+        f"`{' '.join(sys.argv)}`\n\n{md}")
+    (out / f"triton-attn-{stamp}.json").write_text(json.dumps(
+        dict(env=env, argv=sys.argv, results=results), indent=1, default=str))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

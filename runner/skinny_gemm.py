@@ -1,0 +1,230 @@
+"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 16.
+
+At batch 1 a denoise step multiplies 1-16 activation rows by every weight matrix, so each
+GEMM is bound by reading W (``N * K * 2`` bytes) once from HBM; the arithmetic is tiny. cuBLAS
+picks tiles made for larger M and reaches only ~2.5-3.5 TB/s on the 8B model's qkv, o_proj
+and down shapes (H200 copy ceiling ~4.3 TB/s). This kernel is built to stream W:
+
+* **One program per (BLOCK_N slice of output columns, K split).** It reads its
+  ``[BLOCK_N, K / SPLIT_K]`` slab of W once, in ``[BLOCK_N, BLOCK_K]`` tiles that are
+  contiguous along K (16-byte vector loads; the row stride is K, a multiple of 16), and
+  produces those columns for *all* M rows. x is at most 16 x K and is re-read by every
+  program from L1/L2, never from HBM in the steady state.
+* **Tensor cores with M padded to 16.** ``tl.dot`` needs every dimension >= 16, so x is
+  loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to zero. With ``SWAP_AB`` the
+  product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``): the large operand is the
+  MMA's M side, which lets Triton use Hopper's wgmma for BLOCK_N >= 64. A broadcast multiply
+  + ``tl.sum`` on the CUDA cores was rejected: at M = 16 it costs ``2 * 16 * N * K`` fp32 FMAs,
+  about the same time as the weight read itself on an H200 (67 TFLOP/s fp32), and using it only
+  for small M would make a row's result depend on the batch size (see below).
+* **Software pipelining** (``num_stages``) keeps several W tiles (~32-64 KB) in flight per
+  program; narrow tiles (BLOCK_N = 32) give o_proj / down 128 programs and qkv 192.
+* **Split-K without atomics** (available, ``split_k > 1``): each split writes float32 partials
+  ``[SPLIT_K, M, N]`` and a small second kernel sums them in the fixed order s = 0, 1, ...,
+  adds the bias and rounds once. On the H200 it never beat the unsplit kernel by more than
+  the noise (the second launch costs what the fuller grid gains), so the table does not use it.
+
+**Measured** (H200, bf16, CUDA-graph replay, weights rotated through > L2; see ``CONFIGS``):
+gate_up 4.1 TB/s and lm_head 4.4 TB/s (at the copy ceiling), down 3.7 TB/s (1.03-1.10x
+cuBLAS), o_proj 2.85 TB/s (1.05-1.09x), qkv 3.1 TB/s (0.94-0.98x cuBLAS, i.e. a tie within
+~0.5 us). Every shape pays a roughly fixed ~4 us per launch (ramp-up of the first loads and the
+tail) over its bytes / 4.4 TB/s, which is what keeps the 34-50 MB shapes near 3 TB/s; tile
+shape, stages and split-K do not move it. Hiding it needs the next kernel's weight stream to
+start before the previous kernel ends (programmatic dependent launch), not a better tile.
+
+**Determinism and row independence.** There are no atomics and no run-time autotuning: the
+configuration comes from a fixed table keyed on (N, K) only (``CONFIGS``, with a default
+heuristic for shapes not in it), so the tiling, the K order and the split reduction are the same
+for every M and every process. The kernel is compiled once per configuration, not per M (M is
+not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
+the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
+output is bit-identical whether it is computed alone or in a batch of up to 16.
+
+The hot path is launch-only (one ``torch.empty`` for the output, one for the split-K partials),
+with no host syncs or data-dependent host logic, so it can be captured in a CUDA graph.
+
+A fused ``silu_mul_linear(gate_up, W_down)`` (the SiLU-and-multiply formed on the fly from the
+two halves of ``gate_up`` inside the K loop) was built and measured on an H200 and dropped: every
+program recomputes the activation for its K range, and at the down shape (N 4096, K 12288) it
+took 57-133 µs against 27 µs for the plain kernel plus ~4-8 µs for a separate SiLU kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["CONFIGS", "SkinnyConfig", "config_for", "skinny_linear", "supports"]
+
+MAX_M = 16
+_HALF = (torch.float16, torch.bfloat16)
+# Under TRITON_INTERPRET=1 the kernels run on CPU tensors (numpy); used by the tests only.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    swap_ab: bool = True
+
+    def label(self) -> str:
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}"
+                f"st{self.num_stages}{'T' if self.swap_ab else 'N'}")
+
+
+# (N, K) -> configuration. Keyed on the weight's shape only: never on M (row independence).
+# From `bench/skinny_gemm.py --sweep --lm-head --tokens 1,4,8,16` on an H200 (2026-11-30,
+# torch 2.11, triton 3.6): the config with the least total time over M = 1, 4, 8, 16 out of
+# 53-87 candidates per shape. Split-K never won by more than the run-to-run noise (~0.3 us).
+CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (6144, 4096): SkinnyConfig(32, 256, 1, 4, 4),  # qkv      ~16.2 us, 3.1 TB/s (cuBLAS 15.5)
+    (4096, 4096): SkinnyConfig(32, 512, 1, 4, 3),  # o_proj   ~11.8 us, 2.9 TB/s (cuBLAS 12.6)
+    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6),  # gate_up ~49.5 us, 4.1 TB/s (cuBLAS 50.4)
+    (4096, 12288): SkinnyConfig(32, 512, 1, 4, 3),  # down    ~27.2 us, 3.7 TB/s (cuBLAS 29.4)
+    (151936, 4096): SkinnyConfig(128, 128, 1, 8, 2),  # lm_head ~281 us, 4.4 TB/s (cuBLAS 299)
+}
+
+_SMS = 132  # H200; only used by the default heuristic, never read from the device at run time
+
+
+def _default(n: int, k: int) -> SkinnyConfig:
+    """Shapes not in the table: what the sweep favoured (no split, ~32-64 KB of W in flight
+    per program), with K split only when the grid would leave most SMs idle."""
+    block_n = 32 if n <= 16384 else (64 if n <= 65536 else 128)
+    block_k = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
+    stages = max(2, min(6, 65536 // (block_n * block_k * 2)))
+    split = 1
+    while (triton.cdiv(n, block_n) * split < _SMS // 2 and k % (block_k * split * 2) == 0
+           and k // (block_k * split * 2) >= 8):
+        split *= 2
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split,
+                        num_warps=8 if block_n == 128 else 4, num_stages=stages)
+
+
+def config_for(n: int, k: int) -> SkinnyConfig:
+    cfg = CONFIGS.get((n, k))
+    return cfg if cfg is not None else _default(n, k)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``skinny_linear(x, weight, bias)`` handles these tensors."""
+    ok_device = x.is_cuda or (_INTERPRET and x.device.type == "cpu")
+    return (ok_device and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+            and x.dtype in _HALF and weight.dtype == x.dtype and x.device == weight.device
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0 and x.stride(1) == 1
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]
+                                  and bias.device == x.device and bias.is_contiguous())))
+
+
+@triton.jit(do_not_specialize=["M", "stride_ps"])
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   stride_ps, K_TILES: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                   EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_ld = rn % N  # tail columns re-read a valid row; their results are not stored
+    rk = tl.arange(0, BLOCK_K)
+    k0 = pid_k * (K_TILES * BLOCK_K)
+    w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :]
+    m_mask = rm[:, None] < M
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(K_TILES):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xm = m_mask
+        else:
+            k_ok = (k0 + kt * BLOCK_K + rk) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            xm = m_mask & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=xm, other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if PARTIAL:
+        p_ptrs = out_ptr + pid_k * stride_ps + rm[:, None] * N + rn[None, :]
+        tl.store(p_ptrs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "stride_ps"])
+def _reduce_kernel(p_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_om, HAS_BIAS: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (BLOCK columns, row); sums the splits in the fixed order 0..SPLIT_K-1.
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    rn = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + s * stride_ps + m * N + rn, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_REDUCE_BLOCK = 1024
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: SkinnyConfig | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= 16 (check ``supports``
+    first). Float32 accumulation, output in x's dtype. ``config`` overrides the (N, K) table
+    (benchmarks); ``out`` is written in place if given (tests poison it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= MAX_M, f"skinny GEMM takes 1..{MAX_M} rows, got {m}"
+    assert weight.shape[1] == k and k % 16 == 0 and weight.stride(1) == 1 and x.stride(1) == 1
+    cfg = config if config is not None else config_for(n, k)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x.dtype
+    split = cfg.split_k
+    k_tiles = triton.cdiv(triton.cdiv(k, split), cfg.block_k)  # per split
+    even_k = k_tiles * cfg.block_k * split == k
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    b = bias if bias is not None else out  # never read without HAS_BIAS
+    common = dict(HAS_BIAS=bias is not None, EVEN_K=even_k, SWAP_AB=cfg.swap_ab,
+                  BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split == 1:
+        _skinny_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0),
+                             out.stride(0), 0, K_TILES=k_tiles, PARTIAL=False, **common)
+        return out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _skinny_kernel[grid](x, weight, b, part, m, n, k, x.stride(0), weight.stride(0),
+                         out.stride(0), m * n, K_TILES=k_tiles, PARTIAL=True, **common)
+    _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+        part, b, out, m, n, m * n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split,
+        BLOCK=_REDUCE_BLOCK, num_warps=4)
+    return out
+

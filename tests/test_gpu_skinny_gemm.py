@@ -1,0 +1,170 @@
+"""The Triton skinny GEMM (``dllm.runner.skinny_gemm``) for 1-16 rows: equals a float64
+reference and ``F.linear`` within bf16 rounding, writes every output element, is bit-for-bit
+deterministic, and computes each row independently of the other rows of the batch.
+
+GPU tests (marker ``gpu``). With ``TRITON_INTERPRET=1`` they also run on the CPU under Triton's
+interpreter, in float16 (the interpreter has no bfloat16 arithmetic) and on smaller shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+# Under the interpreter the tests run on the CPU: leave out the marker (the conftest skips
+# ``gpu`` tests where CUDA is missing).
+pytestmark = ([] if INTERPRET else [pytest.mark.gpu]) + [
+    pytest.mark.skipif(not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET),
+                       reason="needs triton and a CUDA device (or TRITON_INTERPRET=1)"),
+]
+
+if INTERPRET:
+    DEV, DTYPE = "cpu", torch.float16
+    # (N, K): N a multiple of the tile, N not (tail columns), a split-K shape, a K that is not
+    # a multiple of the K tile, and the default heuristic's split of a wide K.
+    SHAPES = [(256, 512), (200, 384), (96, 1024), (130, 400)]
+    TOKENS = [1, 3, 16]
+else:
+    DEV, DTYPE = "cuda", torch.bfloat16
+    # qkv, o_proj, down and gate_up of the 8B model; odd N (a partial last tile), a small N,
+    # and K = 4096 + 16 (not a multiple of any K tile).
+    SHAPES = [(6144, 4096), (4096, 4096), (4096, 12288), (24576, 4096), (6144 + 80, 4096),
+              (1000, 2048), (512, 4112)]
+    TOKENS = list(range(1, 17))
+
+
+@pytest.fixture(scope="module")
+def sg():
+    from dllm.runner import skinny_gemm
+
+    return skinny_gemm
+
+
+def _weights(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(DTYPE).to(DEV)
+    b = torch.randn(n, generator=g).to(DTYPE).to(DEV)
+    return w, b
+
+
+def _x(m: int, k: int, seed: int, stride: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if stride is None:
+        return torch.randn(m, k, generator=g).to(DTYPE).to(DEV)
+    # a row-strided view: the first k columns of a wider buffer
+    return torch.randn(m, stride, generator=g).to(DTYPE).to(DEV)[:, :k]
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def _poisoned(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=DTYPE, device=DEV)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(sg, n, k, bias):
+    w, b = _weights(n, k, seed=n + k)
+    b = b if bias else None
+    for m in TOKENS:
+        x = _x(m, k, seed=m)
+        assert sg.supports(x, w, b)
+        y = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
+        assert y.shape == (m, n) and y.dtype == DTYPE
+        assert torch.isfinite(y).all(), f"unwritten or non-finite output at M={m}"
+        ref = x.double() @ w.double().T + (b.double() if bias else 0)
+        assert _rel(y, ref) < 1e-2, (m, _rel(y, ref))
+        if not INTERPRET:  # F.linear in bf16 on the CPU is slow and not the point there
+            lin = F.linear(x, w, b)
+            assert _rel(y, lin.double()) < 1e-2
+            # both round a float32 sum to bf16: they differ by at most a few ulps
+            torch.testing.assert_close(y, lin, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:3])
+def test_strided_x(sg, n, k):
+    w, b = _weights(n, k, seed=1)
+    for m in (1, 5, 16):
+        x = _x(m, k, seed=m, stride=k + 64)
+        assert x.stride(0) == k + 64 and sg.supports(x, w, b)
+        y = sg.skinny_linear(x, w, b)
+        assert torch.equal(y, sg.skinny_linear(x.contiguous(), w, b))
+        ref = x.double() @ w.double().T + b.double()
+        assert _rel(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_deterministic_and_row_independent(sg, n, k):
+    w, b = _weights(n, k, seed=2)
+    x16 = _x(16, k, seed=3)
+    alone = [sg.skinny_linear(x16[i:i + 1].clone(), w, b) for i in range(16)]
+    for m in TOKENS:
+        x = x16[:m].clone()
+        y1 = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
+        y2 = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
+        assert torch.equal(y1, y2), f"two runs differ at M={m}"
+        for i in range(m):
+            assert torch.equal(y1[i], alone[i][0]), f"row {i} of M={m} differs from it alone"
+
+
+def test_supports(sg):
+    w = torch.empty(256, 512, dtype=DTYPE, device=DEV)
+    assert sg.supports(torch.empty(16, 512, dtype=DTYPE, device=DEV), w)
+    assert not sg.supports(torch.empty(17, 512, dtype=DTYPE, device=DEV), w)
+    assert not sg.supports(torch.empty(0, 512, dtype=DTYPE, device=DEV), w)
+    assert not sg.supports(torch.empty(4, 512, dtype=torch.float32, device=DEV),
+                           w.float())
+    assert not sg.supports(torch.empty(4, 512, dtype=DTYPE, device=DEV),
+                           torch.empty(512, 256, dtype=DTYPE, device=DEV).t())
+    assert not sg.supports(torch.empty(4, 520, dtype=DTYPE, device=DEV)[:, :500],
+                           torch.empty(256, 500, dtype=DTYPE, device=DEV))
+    assert not sg.supports(torch.empty(4, 512, dtype=DTYPE, device=DEV).t().contiguous().t(),
+                           w)
+    assert sg.config_for(4096, 4096) == sg.config_for(4096, 4096)  # keyed on (N, K) alone
+
+
+def test_graph_capture(sg):
+    if INTERPRET:
+        pytest.skip("CUDA graphs need CUDA")
+    w, b = _weights(4096, 4096, seed=5)
+    x = _x(4, 4096, seed=6)
+    eager = sg.skinny_linear(x, w, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = sg.skinny_linear(x, w, b)
+    x.copy_(_x(4, 4096, seed=7))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, sg.skinny_linear(x, w, b))
+    assert not torch.equal(y, eager)
+
+
+# Explicit configurations, whatever the table holds: split-K (even and with a ragged last
+# split), the non-swapped operand order, and wide tiles.
+CONFIG_CASES = [dict(block_n=32, block_k=128, split_k=3), dict(block_n=64, block_k=64, split_k=4),
+                dict(block_n=64, block_k=128, split_k=2, swap_ab=False),
+                dict(block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=3)]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=lambda c: "-".join(map(str, c.values())))
+@pytest.mark.parametrize("n,k", [(200, 384), (130, 400)] if INTERPRET else
+                         [(4096, 12288), (6144 + 80, 4096 + 16)])
+def test_configs(sg, case, n, k):
+    cfg = sg.SkinnyConfig(**case)
+    w, b = _weights(n, k, seed=8)
+    x16 = _x(16, k, seed=9)
+    ref = x16.double() @ w.double().T + b.double()
+    y16 = sg.skinny_linear(x16, w, b, config=cfg, out=_poisoned(16, n))
+    assert torch.isfinite(y16).all() and _rel(y16, ref) < 1e-2
+    assert torch.equal(y16, sg.skinny_linear(x16, w, b, config=cfg))
+    for m in (1, 2, 7):
+        y = sg.skinny_linear(x16[:m].clone(), w, b, config=cfg, out=_poisoned(m, n))
+        assert torch.equal(y, y16[:m]), f"M={m} rows differ from the same rows in M=16"

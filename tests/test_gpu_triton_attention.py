@@ -1,0 +1,217 @@
+"""GPU tests of the Triton paged attention for ``DLLM_EXTEND`` and ``DECODE``
+(runner/attention/triton_extend.py) against the SDPA backend: every output element written,
+padding rows zero, runs deterministic, a row's bits independent of its batch, and the launch
+captured in a CUDA graph equal to the eager launch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dllm.memory import ReqToTokenPool, TokenToKVPool
+from dllm.models.attention import AttentionLayer
+from dllm.runner.attention.sdpa import SDPABackend
+from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                       reason="needs a CUDA device and triton"),
+]
+
+P = 16  # page size
+CONTEXT = 512  # req_to_token width
+
+
+def make_pools(num_rows: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+    """Request rows 1..num_rows over scattered pages (as after churn), every slot of the pool
+    holding random K/V; row 0 is the padding row (page 0)."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(seed)
+    pages_per_row = CONTEXT // P
+    req_pool = ReqToTokenPool(num_rows, CONTEXT, dev)
+    kv_pool = TokenToKVPool(num_rows * pages_per_row + 1, P, 1, hkv, d, dtype, dev)
+    pages = (torch.randperm(num_rows * pages_per_row, generator=g) + 1).tolist()
+    for r in range(1, num_rows + 1):
+        mine = pages[(r - 1) * pages_per_row : r * pages_per_row]
+        req_pool.req_to_token[r] = kv_pool.slots_for(mine, 0, CONTEXT).to(dev)
+    k_buf, v_buf = kv_pool.get_kv(0)
+    k_buf.copy_(torch.randn(k_buf.shape, generator=g).to(dtype))
+    v_buf.copy_(torch.randn(v_buf.shape, generator=g).to(dtype))
+    return req_pool, kv_pool
+
+
+def sdpa_reference(q, mode, seq_lens, block, req_rows, req_pool, kv_pool, layer):
+    """The SDPA backend on the same batch (rows with seq_len 0 left out): every query of a
+    row sees keys [0, seq_len), i.e. the FULL mask (DLLM_EXTEND) or CAUSAL at the last
+    position (DECODE). The block's own K/V are rewritten with the values already cached."""
+    dev = q.device
+    live = [i for i, s in enumerate(seq_lens) if s > 0]
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    seq = [seq_lens[i] for i in live]
+    rows = [req_rows[i] for i in live]
+    prefix = [s - block for s in seq]
+    pos = [p + j for p in prefix for j in range(block)]
+    tok_rows = [r for r in rows for _ in range(block)]
+    loc = req_pool.req_to_token[t(tok_rows), t(pos)]
+    k_buf, v_buf = kv_pool.get_kv(0)
+    fb = ForwardBatch(
+        mode=mode, batch_size=len(rows), input_ids=t([0] * len(pos)), positions=t(pos),
+        req_pool_indices=t(rows), prefix_lens=t(prefix), extend_lens=t([block] * len(rows)),
+        seq_lens=t(seq), out_cache_loc=loc, prefix_lens_cpu=prefix,
+        extend_lens_cpu=[block] * len(rows), seq_lens_cpu=seq,
+        attention_mask=AttentionMask.FULL if block > 1 else AttentionMask.CAUSAL,
+        block_size=block, logits_mode=LogitsMode.ALL, req_to_token=req_pool.req_to_token,
+        kv_pool=kv_pool)
+    q_live = torch.cat([q[i * block : (i + 1) * block] for i in live])
+    out = SDPABackend().forward(q_live, k_buf[loc].clone(), v_buf[loc].clone(), layer, fb)
+    return live, out
+
+
+# block size, query heads, KV heads, head dim, seq_lens (0: a padding row), dtype
+CASES = {
+    "sdar_b4_g4": (4, 32, 8, 128, [4, 37, 0, 333, 130], torch.bfloat16),
+    "b4_g1": (4, 8, 8, 128, [4, 61, 200], torch.bfloat16),
+    "llada2_b32_g4": (32, 16, 4, 128, [32, 45, 0, 300], torch.bfloat16),
+    "b32_g1": (32, 4, 4, 128, [32, 77, 161], torch.bfloat16),
+    "b32_g8_two_m_tiles": (32, 32, 4, 128, [32, 99], torch.bfloat16),
+    "b4_g4_d64_fp16": (4, 16, 4, 64, [4, 21, 260], torch.float16),
+    "b4_g4_d256": (4, 16, 4, 256, [4, 50, 129], torch.bfloat16),
+}
+
+
+def run_case(name, seed=0):
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    block, h, hkv, d, seq_lens, dtype = CASES[name]
+    dev = torch.device("cuda")
+    rows = len(seq_lens)
+    req_pool, kv_pool = make_pools(rows, hkv, d, dtype, seed)
+    # Rows in shuffled table order; padding rows point at the padding row 0.
+    order = (torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1)) + 1).tolist()
+    req_rows = [r if s > 0 else 0 for r, s in zip(order, seq_lens, strict=True)]
+    g = torch.Generator(device=dev).manual_seed(seed + 2)
+    q = torch.randn(rows * block, h, d, generator=g, device=dev).to(dtype)
+    args = (kv_pool.get_kv(0)[0], kv_pool.get_kv(0)[1], req_pool.req_to_token,
+            torch.tensor(req_rows, dtype=torch.int64, device=dev),
+            torch.tensor(seq_lens, dtype=torch.int64, device=dev), block, d**-0.5)
+    out = torch.full_like(q, float("nan"))
+    dllm_extend_attention(q, *args, out=out)
+    return q, args, out, req_rows, req_pool, kv_pool
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_triton_extend_equals_sdpa(name):
+    block, h, hkv, d, seq_lens, _ = CASES[name]
+    q, args, out, req_rows, req_pool, kv_pool = run_case(name)
+    assert not out.isnan().any()  # every element written
+    layer = AttentionLayer(0, h, hkv, d, d**-0.5)
+    live, ref = sdpa_reference(q, ForwardMode.DLLM_EXTEND, seq_lens, block, req_rows,
+                               req_pool, kv_pool, layer)
+    got = torch.cat([out[i * block : (i + 1) * block] for i in live])
+    assert (got.float() - ref.float()).abs().max().item() < 2e-2
+    for i, s in enumerate(seq_lens):  # padding rows: zeros
+        if s == 0:
+            assert (out[i * block : (i + 1) * block] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
+def test_triton_extend_deterministic_and_row_independent(name):
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    block, *_ = CASES[name]
+    q, args, out, *_ = run_case(name)
+    again = torch.full_like(q, float("nan"))
+    dllm_extend_attention(q, *args, out=again)
+    assert torch.equal(out, again)
+    k_buf, v_buf, table, req_rows, seq_lens, _, scale = args
+    for i in range(req_rows.shape[0]):  # each row alone: the same bits
+        sl = slice(i * block, (i + 1) * block)
+        alone = dllm_extend_attention(q[sl], k_buf, v_buf, table, req_rows[i : i + 1],
+                                      seq_lens[i : i + 1], block, scale)
+        assert torch.equal(alone, out[sl])
+
+
+def test_triton_extend_strided_q():
+    """q as a slice of a fused qkv projection (row stride > H·D) gives the same bits."""
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    block, h, hkv, d, *_ = CASES["sdar_b4_g4"]
+    q, args, out, *_ = run_case("sdar_b4_g4")
+    qkv = torch.randn(q.shape[0], (h + 2 * hkv) * d, device=q.device, dtype=q.dtype)
+    qkv[:, : h * d] = q.reshape(q.shape[0], -1)
+    strided = qkv[:, : h * d].view(q.shape[0], h, d)
+    assert torch.equal(dllm_extend_attention(strided, *args), out)
+
+
+def test_triton_extend_cuda_graph():
+    """Captured once, replayed after the batch's lengths, rows and queries changed in place:
+    equal to an eager launch on the new values."""
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    q, args, out, *_ = run_case("sdar_b4_g4")
+    k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
+    static_out = torch.empty_like(q)
+    dllm_extend_attention(q, *args, out=static_out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dllm_extend_attention(q, *args, out=static_out)
+    q.copy_(torch.randn_like(q))
+    seq_lens.copy_(torch.tensor([8, 0, 300, 41, 4], device=q.device))
+    req_rows.copy_(torch.tensor([3, 0, 1, 5, 2], device=q.device))
+    static_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, dllm_extend_attention(q, *args))
+
+
+def test_decode_attention_equals_sdpa():
+    from dllm.runner.attention.triton_extend import decode_attention
+
+    h, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    seq_lens = [1, 17, 0, 300, 64]
+    rows = len(seq_lens)
+    dev = torch.device("cuda")
+    req_pool, kv_pool = make_pools(rows, hkv, d, dtype, seed=3)
+    req_rows = [r + 1 if s > 0 else 0 for r, s in enumerate(seq_lens)]
+    q = torch.randn(rows, h, d, device=dev).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    k_buf, v_buf = kv_pool.get_kv(0)
+    decode_attention(q, k_buf, v_buf, req_pool.req_to_token,
+                     torch.tensor(req_rows, device=dev), torch.tensor(seq_lens, device=dev),
+                     d**-0.5, out=out)
+    assert not out.isnan().any()
+    assert (out[2] == 0).all()
+    live, ref = sdpa_reference(q, ForwardMode.DECODE, seq_lens, 1, req_rows, req_pool,
+                               kv_pool, AttentionLayer(0, h, hkv, d, d**-0.5))
+    assert (out[live].float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_supports():
+    from dllm.runner.attention.triton_extend import supports
+
+    cuda = torch.device("cuda")
+    assert supports(torch.bfloat16, torch.bfloat16, 32, 8, 128, cuda)
+    assert not supports(torch.float32, torch.float32, 32, 8, 128, cuda)
+    assert not supports(torch.bfloat16, torch.bfloat16, 32, 8, 96, cuda)
+    assert not supports(torch.bfloat16, torch.bfloat16, 30, 8, 128, cuda)
+    assert not supports(torch.bfloat16, torch.bfloat16, 32, 8, 128, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("config", [dict(PREFETCH=1), dict(PREFETCH=2, num_stages=1, BLOCK_N=32),
+                                    dict(KV_FIRST=True), dict(BLOCK_N=128, num_warps=8)],
+                         ids=["prefetch1", "prefetch2", "kv_first", "n128"])
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
+def test_triton_extend_configs(name, config):
+    """The tile variants the benchmark sweeps compute the same function."""
+    from dllm.runner.attention.triton_extend import dllm_extend_attention, reference
+
+    q, args, out, *_ = run_case(name)
+    ref = reference(q, *args)
+    got = torch.full_like(q, float("nan"))
+    dllm_extend_attention(q, *args, out=got, config=config)
+    assert not got.isnan().any()
+    assert (got.float() - ref).abs().max().item() < 2e-2
