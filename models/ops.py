@@ -68,7 +68,8 @@ class LayerOps:
             q = self.head_rms_norm(q, attn.q_norm.weight, s.norm_eps)
             k = self.head_rms_norm(k, attn.k_norm.weight, s.norm_eps)
         q, k = self.rope(attn.rotary_emb, positions, q, k, forward_batch.memo)
-        return q, k, v.view(t, s.num_kv_heads, s.head_dim)
+        return (q.view(t, s.num_heads, s.head_dim), k.view(t, s.num_kv_heads, s.head_dim),
+                v.view(t, s.num_kv_heads, s.head_dim))
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """``x @ layer.weight.T (+ layer.bias)`` of ``x`` ``[T, K]`` (an ``nn.Linear``, or a
