@@ -25,8 +25,12 @@ if [ -f .jit/fi-jit.tgz ]; then mkdir -p "$FLASHINFER_WORKSPACE_BASE" && \
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .jit/triton-cache.tgz ] && tar xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR"
+# At most 8 files come back from a device call: the profiler traces stay there and the logs
+# travel as one archive.
 trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null; \
-  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null' EXIT
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null; \
+  rm -f "$OUT"/trace-*.json; (cd "$OUT" && ls ./*.log >/dev/null 2>&1 && \
+  tar czf logs.tgz ./*.log && rm -f ./*.log)' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # How long a fresh process takes to import FlashInfer and load (or build) one JIT module: the
 # GPU tests were slow even with the cache present (bench/NOTES.md).

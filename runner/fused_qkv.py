@@ -50,6 +50,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _HALF = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -100,11 +101,14 @@ def _qk_norm_rope_kernel(
     eps,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     BLOCK_H: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program ``(t, g)``: heads ``[g·BLOCK_H, (g+1)·BLOCK_H)`` of token ``t`` in ``qkv``'s
     head order. q heads → ``q[t]``; k heads → ``k[t]`` (``k[loc[t]]`` when ``STORE``); v heads
     (present only when ``STORE``) are copied to ``v[loc[t]]``."""
+    if PDL:  # launched early (programmatic dependent launch): wait for qkv's producer
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     head0 = tl.program_id(1) * BLOCK_H
     src = qkv_ptr + t * qkv_stride_t + head0 * D
@@ -275,12 +279,14 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                        eps: float, cos_sin: torch.Tensor, positions: torch.Tensor,
                        k_buf: torch.Tensor, v_buf: torch.Tensor,
-                       loc: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                       loc: torch.Tensor, q_out: torch.Tensor | None = None,
+                       pdl: bool = False) -> torch.Tensor:
     """``qk_norm_rope`` and ``store_kv`` in one launch: the rotated K and the V slice of
     ``qkv`` are written to ``k_buf[loc]``/``v_buf[loc]`` (``[S, Hkv, D]``, cast to their dtype)
     and only ``q`` ``[T, H, D]`` is returned. The cache is then up to date for this layer, so
     the attention backend must skip its own ``set_kv``. ``q_out``: a preallocated contiguous
-    ``[T, H, D]`` to write instead."""
+    ``[T, H, D]`` to write instead. ``pdl``: launch with programmatic dependent launch
+    (Hopper and newer; the kernel waits for its predecessor before reading anything)."""
     rot = _check(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, cos_sin, positions)
     _check_bufs(k_buf, v_buf, loc, qkv.shape[0], num_kv_heads, head_dim)
     t = qkv.shape[0]
@@ -304,7 +310,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
         float(eps),
         H=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, BLOCK_H=block,
         Q_NORM=q_weight is not None, K_NORM=k_weight is not None, STORE=True,
-        num_warps=_num_warps(block, head_dim),
+        PDL=pdl, launch_pdl=pdl, num_warps=_num_warps(block, head_dim),
     )
     return q
 

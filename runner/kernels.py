@@ -95,7 +95,7 @@ class TritonOps(FlashInferOps):
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         weight, bias = layer.weight, getattr(layer, "bias", None)
         if self._gemm.supports(x, weight, bias):
-            return self._gemm.skinny_linear(x, weight, bias)
+            return self._gemm.skinny_linear(x, weight, bias, pdl=self.pdl)
         return F.linear(x, weight, bias)
 
     def qkv_rope(self, attn, qkv, positions, forward_batch):
@@ -113,8 +113,9 @@ class TritonOps(FlashInferOps):
             if self._qkv.supports_store(qkv, s.num_heads, s.num_kv_heads, s.head_dim,
                                         table.shape[-1], k_buf, v_buf):
                 # K and V go straight into the cache: the backend skips its own write.
-                return self._qkv.qk_norm_rope_store(*args, k_buf, v_buf, fb.out_cache_loc), \
-                    None, None
+                q = self._qkv.qk_norm_rope_store(*args, k_buf, v_buf, fb.out_cache_loc,
+                                                 pdl=self.pdl)
+                return q, None, None
         q, k = self._qkv.qk_norm_rope(*args)
         t = qkv.shape[0]
         v = qkv[:, (s.num_heads + s.num_kv_heads) * s.head_dim:]

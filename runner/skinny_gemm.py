@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["CONFIGS", "SkinnyConfig", "config_for", "skinny_linear", "supports"]
 
@@ -131,7 +132,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
                    stride_ps, K_TILES: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -139,6 +140,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     rn_ld = rn % N  # tail columns re-read a valid row; their results are not stored
     rk = tl.arange(0, BLOCK_K)
     k0 = pid_k * (K_TILES * BLOCK_K)
+    if PREFETCH_LINES > 0:
+        # Programmatic dependent launch: this grid may start while the kernel that writes x
+        # is still running. The weights do not depend on it, so pull the first
+        # PREFETCH_LINES 128-byte lines of each of this program's rows into L2 now, let the
+        # next kernel launch too, and wait for x's producer only before reading x.
+        lines = k0 + tl.arange(0, PREFETCH_LINES) * 64  # within the row: at most its length
+        pf = w_ptr + rn_ld[:, None] * stride_wn + lines[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        gdc_launch_dependents()
+        gdc_wait()
     w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :]
     m_mask = rm[:, None] < M
@@ -191,14 +203,26 @@ def _reduce_kernel(p_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_om, HAS_BIAS: 
 
 
 _REDUCE_BLOCK = 1024
+# Bytes of a weight matrix prefetched into L2 under ``pdl``: well inside the H200's 50 MB L2,
+# so the lines are still there when the main loop reads them.
+PREFETCH_BYTES = 16 * 2**20
+
+
+def _prefetch_lines(n: int, k: int) -> int:
+    """128-byte lines per weight row to prefetch (a power of two, at most the row)."""
+    lines = min(PREFETCH_BYTES // (n * 128), triton.cdiv(k * 2, 128))
+    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   config: SkinnyConfig | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= 16 (check ``supports``
     first). Float32 accumulation, output in x's dtype. ``config`` overrides the (N, K) table
-    (benchmarks); ``out`` is written in place if given (tests poison it)."""
+    (benchmarks); ``out`` is written in place if given (tests poison it). ``pdl``: launch
+    with programmatic dependent launch (Hopper and newer), streaming the first
+    first lines of each weight row (``PREFETCH_BYTES`` in all) into L2 before waiting for
+    the kernel that writes ``x`` (the unsplit kernel only)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_M, f"skinny GEMM takes 1..{MAX_M} rows, got {m}"
@@ -217,12 +241,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   BLOCK_M=MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split == 1:
+        lines = _prefetch_lines(n, k) if pdl and not _INTERPRET else 0
         _skinny_kernel[grid](x, weight, b, out, m, n, k, x.stride(0), weight.stride(0),
-                             out.stride(0), 0, K_TILES=k_tiles, PARTIAL=False, **common)
+                             out.stride(0), 0, K_TILES=k_tiles, PARTIAL=False,
+                             PREFETCH_LINES=lines, launch_pdl=lines > 0, **common)
         return out
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _skinny_kernel[grid](x, weight, b, part, m, n, k, x.stride(0), weight.stride(0),
-                         out.stride(0), m * n, K_TILES=k_tiles, PARTIAL=True, **common)
+                         out.stride(0), m * n, K_TILES=k_tiles, PARTIAL=True,
+                         PREFETCH_LINES=0, **common)
     _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
         part, b, out, m, n, m * n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split,
         BLOCK=_REDUCE_BLOCK, num_warps=4)

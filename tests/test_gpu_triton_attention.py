@@ -215,3 +215,151 @@ def test_triton_extend_configs(name, config):
     dllm_extend_attention(q, *args, out=got, config=config)
     assert not got.isnan().any()
     assert (got.float() - ref).abs().max().item() < 2e-2
+
+
+# --- Split-KV (num_splits > 1) -------------------------------------------------------------
+# Inputs built without the pools (plain tensors on DEVICE), so the same tests also run on the
+# CPU under TRITON_INTERPRET=1 (float32/float16) when called directly; pytest skips this file
+# without CUDA.
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# block size, query heads, KV heads, head dim, seq_lens (0: a padding row; == B; lengths not a
+# multiple of 16; 16 splits > the key chunks of every row)
+SPLIT_CASES = {
+    "sdar_b4_g4": (4, 32, 8, 128, [4, 37, 0, 333, 130, 250]),
+    "llada2_b32_g4": (32, 16, 4, 128, [32, 45, 0, 300]),
+    "b32_g8_two_m_tiles": (32, 32, 4, 128, [32, 99, 0]),
+    "b4_g4_d64": (4, 16, 4, 64, [4, 21, 260, 0, 7]),
+    "b4_g4_d256": (4, 16, 4, 256, [4, 50, 129]),
+    "decode_b1_g4": (1, 16, 4, 128, [1, 17, 0, 300, 64]),
+}
+SPLIT_CONTEXT = 384  # req_to_token width (all seq_lens fit)
+
+
+def split_inputs(name, dtype, seed=0, device=DEVICE):
+    """Random K/V over scattered slots, rows in shuffled table order, padding rows on row 0.
+    Returns (q, args) with args as dllm_extend_attention takes them after q."""
+    block, h, hkv, d, seq_lens = SPLIT_CASES[name]
+    rows = len(seq_lens)
+    g = torch.Generator().manual_seed(seed)
+    num_slots = (rows + 1) * SPLIT_CONTEXT + 5
+    table = torch.randperm(num_slots, generator=g)[: (rows + 1) * SPLIT_CONTEXT]
+    table = table.view(rows + 1, SPLIT_CONTEXT).to(torch.int64)
+    order = (torch.randperm(rows, generator=g) + 1).tolist()
+    req_rows = [r if s > 0 else 0 for r, s in zip(order, seq_lens, strict=True)]
+    k_buf = torch.randn(num_slots, hkv, d, generator=g).to(dtype)
+    v_buf = torch.randn(num_slots, hkv, d, generator=g).to(dtype)
+    q = torch.randn(rows * block, h, d, generator=g).to(dtype)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return q.to(device), (k_buf.to(device), v_buf.to(device), table.to(device), t(req_rows),
+                          t(seq_lens), block, d**-0.5)
+
+
+def _dtype(name):
+    return getattr(torch, name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("num_splits", [2, 3, 8, 16])
+@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
+def test_triton_extend_split_equals_reference(name, num_splits, dtype):
+    from dllm.runner.attention.triton_extend import dllm_extend_attention, reference
+
+    q, args = split_inputs(name, _dtype(dtype))
+    block, seq_lens = args[5], args[4].tolist()
+    out = torch.full_like(q, float("nan"))
+    assert dllm_extend_attention(q, *args, out=out, num_splits=num_splits) is out
+    assert not out.isnan().any()  # every element written
+    assert (out.float() - reference(q, *args)).abs().max().item() < 2e-2
+    for i, s in enumerate(seq_lens):  # padding rows: zeros
+        if s == 0:
+            assert (out[i * block : (i + 1) * block] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("num_splits", [3, 16])
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4", "decode_b1_g4"])
+def test_triton_extend_split_deterministic_and_row_independent(name, num_splits, dtype):
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    q, args = split_inputs(name, _dtype(dtype))
+    k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
+    out = dllm_extend_attention(q, *args, num_splits=num_splits)
+    for _ in range(2):
+        again = torch.full_like(q, float("nan"))
+        dllm_extend_attention(q, *args, out=again, num_splits=num_splits)
+        assert torch.equal(out, again)
+    for i in range(req_rows.shape[0]):  # each row alone, same num_splits: the same bits
+        sl = slice(i * block, (i + 1) * block)
+        alone = dllm_extend_attention(q[sl], k_buf, v_buf, table, req_rows[i : i + 1],
+                                      seq_lens[i : i + 1], block, scale,
+                                      num_splits=num_splits)
+        assert torch.equal(alone, out[sl])
+
+
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
+def test_triton_extend_one_split_is_default(name):
+    """num_splits=1 is the single launch: the default call's bits."""
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    q, args = split_inputs(name, torch.float16)
+    assert torch.equal(dllm_extend_attention(q, *args, num_splits=1),
+                       dllm_extend_attention(q, *args))
+    with pytest.raises(ValueError):
+        dllm_extend_attention(q, *args, num_splits=0)
+
+
+@pytest.mark.parametrize("config", [dict(PREFETCH=1), dict(PREFETCH=2, num_stages=1, BLOCK_N=32),
+                                    dict(KV_FIRST=True), dict(BLOCK_N=128, num_warps=8)],
+                         ids=["prefetch1", "prefetch2", "kv_first", "n128"])
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
+def test_triton_extend_split_configs(name, config, dtype="float16"):
+    """The tile variants (their next-chunk prefetch strides by the split count) with splits."""
+    from dllm.runner.attention.triton_extend import dllm_extend_attention, reference
+
+    q, args = split_inputs(name, _dtype(dtype))
+    ref = reference(q, *args)
+    for num_splits in (2, 3):
+        got = torch.full_like(q, float("nan"))
+        dllm_extend_attention(q, *args, out=got, config=config, num_splits=num_splits)
+        assert not got.isnan().any()
+        assert (got.float() - ref).abs().max().item() < 2e-2
+
+
+def test_triton_extend_split_cuda_graph():
+    """Split launch captured once with short rows, replayed with longer rows (past the
+    captured lengths), other rows and queries: equal to an eager launch on the new values."""
+    from dllm.runner.attention.triton_extend import dllm_extend_attention
+
+    q, args = split_inputs("sdar_b4_g4", torch.bfloat16)
+    k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
+    seq_lens.copy_(torch.tensor([4, 8, 0, 20, 64, 5], device=q.device))
+    static_out = torch.empty_like(q)
+    dllm_extend_attention(q, *args, out=static_out, num_splits=4)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dllm_extend_attention(q, *args, out=static_out, num_splits=4)
+    q.copy_(torch.randn_like(q))
+    seq_lens.copy_(torch.tensor([300, 0, 383, 41, 4, 257], device=q.device))
+    req_rows.copy_(torch.tensor([3, 0, 1, 5, 2, 6], device=q.device))
+    static_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, dllm_extend_attention(q, *args, num_splits=4))
+
+
+def test_splits_for():
+    from dllm.runner.attention.triton_extend import MAX_SPLITS, splits_for
+
+    assert splits_for(1, 8) == MAX_SPLITS  # 8 programs: 264 / 8 = 33, capped
+    assert splits_for(4, 8) == 9  # 32 programs -> 288 >= 264
+    assert splits_for(16, 8) == 3
+    assert splits_for(33, 8) == 1  # 264 programs already
+    assert splits_for(128, 8) == 1
+    assert splits_for(2, 4, num_sms=16) == 4
+    for rows in range(1, 200):
+        s = splits_for(rows, 8)
+        assert 1 <= s <= MAX_SPLITS
+        assert s == MAX_SPLITS or rows * 8 * s >= 2 * 132

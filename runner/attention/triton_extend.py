@@ -32,9 +32,17 @@ by side) lands within a few µs: what is left is not the loop's latency. LLaDA2-
 heads, B = 32, M = 128; 86 MB, 11 GFLOP a layer at 128 rows, so also tensor-core work):
 54 µs against 55 µs (kernel) and 101 µs (with permutations).
 
-``decode_attention`` is the same kernel with B = 1 (M = G, padded to 16 rows). Neither
-splits a row's keys over programs: at small batch (rows × Hkv well under the SM count) a
-long row runs on few SMs.
+``decode_attention`` is the same kernel with B = 1 (M = G, padded to 16 rows).
+
+Split-KV (``num_splits`` S > 1, asked for by the caller, e.g. :func:`splits_for` from the row
+count): at small batch rows × Hkv programs leave most SMs idle (batch 1 of SDAR-8B: 8
+programs, ~10 µs walking 4 chunks of 64 keys in series). The grid's last axis then also runs
+over S splits; split s walks the chunks s, s + S, s + 2S, ... of BLOCK_N keys (so the grid
+depends on S alone and covers any seq_len: CUDA-graph replays may be longer than the capture)
+and writes its un-normalised float32 acc with its running max and sum to a workspace; a
+second launch merges the S partials of each query row in the fixed order s = 0..S-1 and
+writes ``[T, H, D]`` in q's dtype. Splits without keys weigh zero; rows of seq_len 0 give
+zeros. Bits are deterministic and row-independent for a given S (not across S values).
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ except ImportError:  # pragma: no cover - the CPU install may have no Triton
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
 MAX_BLOCK_M = 128
+MAX_SPLITS = 16
+MERGE_M = 16  # query rows per program of the split merge
 
 
 def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -62,6 +72,14 @@ def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv
             and q_dtype in (torch.bfloat16, torch.float16) and kv_dtype == q_dtype
             and head_dim in HEAD_DIMS
             and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
+
+
+def splits_for(rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Key splits for a batch of ``rows`` rows: enough that rows × Hkv × splits ≥ 2 × the SM
+    count, at most :data:`MAX_SPLITS`, 1 once rows × Hkv alone fills the GPU. From host numbers
+    only (never the lengths), so a CUDA graph captured for ``rows`` fits any replayed batch."""
+    programs = max(rows, 1) * max(num_kv_heads, 1)
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // programs)))
 
 
 def default_config(m: int, head_dim: int) -> dict:
@@ -84,12 +102,14 @@ if triton is not None:
     @triton.jit
     def _paged_block_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
+        acc_ws_ptr, ml_ws_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        stride_ot, stride_oh, stride_rt,
+        stride_ot, stride_oh, stride_rt, stride_ar, stride_ah, stride_mr, stride_mh,
         qk_scale,
         B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         STATIC_KEYS: tl.constexpr, PREFETCH: tl.constexpr, KV_FIRST: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
         if KV_FIRST:  # the KV heads of a row run side by side: they read the same pages
             kvh = tl.program_id(0).to(tl.int64)
@@ -97,7 +117,14 @@ if triton is not None:
         else:
             row = tl.program_id(0).to(tl.int64)
             kvh = tl.program_id(1).to(tl.int64)
-        mblk = tl.program_id(2)
+        # Split-KV (NUM_SPLITS > 1): axis 2 is mblk·S + split, and split s takes the key chunks
+        # s, s + S, s + 2S, ... of BLOCK_N keys: the same fixed grid covers any seq_len.
+        STEP: tl.constexpr = BLOCK_N * NUM_SPLITS
+        if NUM_SPLITS == 1:
+            mblk = tl.program_id(2)
+        else:
+            mblk = tl.program_id(2) // NUM_SPLITS
+            split = tl.program_id(2) % NUM_SPLITS
 
         seq_len = tl.load(seq_lens_ptr + row)
         req = tl.load(req_pool_ptr + row)
@@ -118,6 +145,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
 
         table = req_to_token_ptr + req * stride_rt
+        # n_keys: the row's keys from this program's first chunk on (table shifted to it).
+        n_keys = seq_len
+        if NUM_SPLITS > 1:
+            table += split * BLOCK_N
+            n_keys = seq_len - split * BLOCK_N
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
         offs_n = tl.arange(0, BLOCK_N)
@@ -128,32 +160,32 @@ if triton is not None:
         # them (left to Triton's pipeliner, num_stages); 1 loads the next chunk's slots one
         # iteration ahead; 2 also issues the next chunk's K and V before this chunk's math
         # (two chunks in flight without shared-memory stages).
-        slots_next = tl.load(table + offs_n, mask=offs_n < seq_len, other=0)
+        slots_next = tl.load(table + offs_n, mask=offs_n < n_keys, other=0)
         if PREFETCH == 2:
             k_next = tl.load(k_base + slots_next[:, None] * stride_ks + offs_d[None, :],
-                             mask=(offs_n < seq_len)[:, None], other=0.0)
+                             mask=(offs_n < n_keys)[:, None], other=0.0)
             v_next = tl.load(v_base + slots_next[:, None] * stride_vs + offs_d[None, :],
-                             mask=(offs_n < seq_len)[:, None], other=0.0)
-            slots_next = tl.load(table + BLOCK_N + offs_n, mask=BLOCK_N + offs_n < seq_len,
+                             mask=(offs_n < n_keys)[:, None], other=0.0)
+            slots_next = tl.load(table + STEP + offs_n, mask=STEP + offs_n < n_keys,
                                  other=0)
-        for start in range(0, STATIC_KEYS if STATIC_KEYS > 0 else seq_len, BLOCK_N):
+        for start in range(0, STATIC_KEYS if STATIC_KEYS > 0 else n_keys, STEP):
             cols = start + offs_n
-            n_valid = cols < seq_len
+            n_valid = cols < n_keys
             if PREFETCH == 2:
                 k = k_next
                 v = v_next
-                nxt = cols + BLOCK_N
+                nxt = cols + STEP
                 k_next = tl.load(k_base + slots_next[:, None] * stride_ks + offs_d[None, :],
-                                 mask=(nxt < seq_len)[:, None], other=0.0)
+                                 mask=(nxt < n_keys)[:, None], other=0.0)
                 v_next = tl.load(v_base + slots_next[:, None] * stride_vs + offs_d[None, :],
-                                 mask=(nxt < seq_len)[:, None], other=0.0)
-                slots_next = tl.load(table + nxt + BLOCK_N, mask=nxt + BLOCK_N < seq_len,
+                                 mask=(nxt < n_keys)[:, None], other=0.0)
+                slots_next = tl.load(table + nxt + STEP, mask=nxt + STEP < n_keys,
                                      other=0)
             else:
                 if PREFETCH == 1:
                     slots = slots_next
-                    slots_next = tl.load(table + cols + BLOCK_N,
-                                         mask=cols + BLOCK_N < seq_len, other=0)
+                    slots_next = tl.load(table + cols + STEP, mask=cols + STEP < n_keys,
+                                         other=0)
                 else:
                     slots = tl.load(table + cols, mask=n_valid, other=0)
                 k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
@@ -169,8 +201,60 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        # seq_len == 0: no chunk ran, acc == 0 and l == 0 -> zeros, not NaN.
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        if NUM_SPLITS == 1:
+            # seq_len == 0: no chunk ran, acc == 0 and l == 0 -> zeros, not NaN.
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_safe[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
+                     + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=m_valid[:, None])
+        else:
+            # The partial state, un-normalised, to this program's workspace slot (all BLOCK_M
+            # rows): acc [BLOCK_M, D], then m and l [BLOCK_M] each. A split with no key keeps
+            # m = -1e30, l = 0, acc = 0: it weighs nothing in the merge.
+            offs_r = tl.arange(0, BLOCK_M)
+            slot = tl.program_id(2).to(tl.int64)
+            acc_ws = acc_ws_ptr + row * stride_ar + kvh * stride_ah + slot * (BLOCK_M * D)
+            tl.store(acc_ws + offs_r[:, None] * D + offs_d[None, :], acc)
+            ml_ws = ml_ws_ptr + row * stride_mr + kvh * stride_mh + slot * (2 * BLOCK_M)
+            tl.store(ml_ws + offs_r, m_i)
+            tl.store(ml_ws + BLOCK_M + offs_r, l_i)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        acc_ws_ptr, ml_ws_ptr, out_ptr,
+        stride_ar, stride_ah, stride_mr, stride_mh, stride_ot, stride_oh,
+        B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        """Merges the NUM_SPLITS partial states of MERGE_M query rows of one (row, KV head,
+        chunk of M), in the order s = 0..S-1 (deterministic), into ``out``."""
+        row = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1).to(tl.int64)
+        SUBS: tl.constexpr = BLOCK_M // MERGE_M
+        mblk = tl.program_id(2) // SUBS
+        offs_r = (tl.program_id(2) % SUBS) * MERGE_M + tl.arange(0, MERGE_M)  # in the tile
+        offs_m = mblk * BLOCK_M + offs_r
+        m_valid = offs_m < B * G
+        tok = row * B + (offs_m // G)
+        head = kvh * G + (offs_m % G)
+        offs_d = tl.arange(0, D)
+        first = mblk.to(tl.int64) * NUM_SPLITS
+        acc_ws = acc_ws_ptr + row * stride_ar + kvh * stride_ah + first * (BLOCK_M * D)
+        ml_ws = ml_ws_ptr + row * stride_mr + kvh * stride_mh + first * (2 * BLOCK_M)
+
+        m_max = tl.full([MERGE_M], -1.0e30, dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            m_max = tl.maximum(m_max, tl.load(ml_ws + s * (2 * BLOCK_M) + offs_r))
+        l_sum = tl.zeros([MERGE_M], dtype=tl.float32)
+        acc = tl.zeros([MERGE_M, D], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            w = tl.math.exp2(tl.load(ml_ws + s * (2 * BLOCK_M) + offs_r) - m_max)
+            l_sum += tl.load(ml_ws + s * (2 * BLOCK_M) + BLOCK_M + offs_r) * w
+            part = tl.load(acc_ws + s * (BLOCK_M * D) + offs_r[:, None] * D + offs_d[None, :])
+            acc += part * w[:, None]
+        # Every split empty (seq_len == 0): m_max = -1e30, w = 1, l = 0, acc = 0 -> zeros.
+        l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
         out = acc / l_safe[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -184,8 +268,8 @@ def _interpreted(q: torch.Tensor) -> bool:
 def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           seq_lens: torch.Tensor, block_size: int, sm_scale: float,
-                          out: torch.Tensor | None = None, config: dict | None = None
-                          ) -> torch.Tensor:
+                          out: torch.Tensor | None = None, config: dict | None = None,
+                          num_splits: int = 1) -> torch.Tensor:
     """Attention of ``rows`` rows of ``block_size`` query tokens each over their paged keys.
 
     ``q`` ``[rows·B, H, D]`` (last dim contiguous; token t of row r at ``r·B + t``);
@@ -193,7 +277,13 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     ``req_pool_indices``/``seq_lens`` ``[rows]`` int64 on the device. Row r's queries see keys
     ``[0, seq_lens[r])`` of table row ``req_pool_indices[r]``, all of them (non-causal).
     Returns ``out`` (allocated ``[T, H, D]`` like ``q`` when None). ``config`` overrides the
-    tile config (BLOCK_M, BLOCK_N, num_warps, num_stages): for benchmarks only."""
+    tile config (BLOCK_M, BLOCK_N, num_warps, num_stages): for benchmarks only.
+
+    ``num_splits`` S > 1 splits every row's keys over S programs (split s takes the BLOCK_N
+    chunks s, s + S, ...; any seq_len, the grid fixed), which write float32 partials to a
+    workspace that a second launch merges in the order s = 0..S-1: for small batches (see
+    :func:`splits_for`). Deterministic and row-independent for a given S; the bits differ
+    from another S. S = 1 is the single launch."""
     if triton is None:
         raise RuntimeError("dllm_extend_attention needs Triton")
     t, h, d = q.shape
@@ -211,6 +301,8 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
         out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.stride(2) != 1:
         raise ValueError("out must be [T, H, D] with a contiguous last dim")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if rows == 0:
         return out
     g = h // hkv
@@ -218,31 +310,50 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     cfg = dict(default_config(m, d))
     if config:
         cfg.update(config)
-    mblocks = triton.cdiv(m, cfg["BLOCK_M"])
-    grid = (hkv, rows, mblocks) if cfg["KV_FIRST"] else (rows, hkv, mblocks)
+    block_m = cfg["BLOCK_M"]
+    mblocks = triton.cdiv(m, block_m)
+    if num_splits == 1:  # the single launch: no workspace (unused pointer args: out)
+        acc_ws = ml_ws = out
+        ws_strides = (0, 0, 0, 0)
+    else:  # partial acc [BLOCK_M, D] and (m, l) [2, BLOCK_M] per (row, KV head, mblk, split)
+        slots = mblocks * num_splits
+        acc_ws = torch.empty((rows, hkv, slots, block_m, d), dtype=torch.float32,
+                             device=q.device)
+        ml_ws = torch.empty((rows, hkv, slots, 2, block_m), dtype=torch.float32,
+                            device=q.device)
+        ws_strides = (acc_ws.stride(0), acc_ws.stride(1), ml_ws.stride(0), ml_ws.stride(1))
+    axis2 = mblocks * num_splits
+    grid = (hkv, rows, axis2) if cfg["KV_FIRST"] else (rows, hkv, axis2)
     _paged_block_attn_kernel[grid](
-        q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens,
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, acc_ws, ml_ws,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0),
+        req_to_token.stride(0), *ws_strides,
         sm_scale * LOG2E,
-        B=block_size, G=g, D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        B=block_size, G=g, D=d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         STATIC_KEYS=req_to_token.shape[1] if _interpreted(q) else 0,
-        PREFETCH=cfg["PREFETCH"], KV_FIRST=cfg["KV_FIRST"],
+        PREFETCH=cfg["PREFETCH"], KV_FIRST=cfg["KV_FIRST"], NUM_SPLITS=num_splits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if num_splits > 1:
+        merge_m = min(MERGE_M, block_m)
+        _merge_splits_kernel[(rows, hkv, mblocks * (block_m // merge_m))](
+            acc_ws, ml_ws, out, *ws_strides, out.stride(0), out.stride(1),
+            B=block_size, G=g, D=d, BLOCK_M=block_m, MERGE_M=merge_m, NUM_SPLITS=num_splits,
+            num_warps=4,
+        )
     return out
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, num_splits: int = 1) -> torch.Tensor:
     """``DECODE``: one query token per row (its key already in the cache at ``seq_len - 1``),
-    attending to keys ``[0, seq_len)``: the block kernel with B = 1. Unsplit over keys, so
-    meant for batches where rows × Hkv fills the GPU."""
+    attending to keys ``[0, seq_len)``: the block kernel with B = 1 (``num_splits`` as
+    there)."""
     return dllm_extend_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-                                 1, sm_scale, out)
+                                 1, sm_scale, out, num_splits=num_splits)
 
 
 def reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -269,4 +380,4 @@ def reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 
 
 __all__ = ["decode_attention", "default_config", "dllm_extend_attention", "reference",
-           "supports"]
+           "splits_for", "supports"]
