@@ -37,6 +37,9 @@ from dllm.runner.attention.page_table import build_page_table
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 * 2**20
+# Key splits of the Triton ``DLLM_EXTEND`` kernel at small batch: a row of a few hundred keys
+# has only a few chunks of 64 to share out.
+MAX_KV_SPLITS = 4
 
 
 def block_causal_mask(fb: ForwardBatch) -> torch.Tensor:
@@ -62,6 +65,8 @@ class FlashInferBackend(AttentionBackend):
         eager runner) for batches of any shape."""
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # Programmatic dependent launch of the Triton kernels (Hopper and newer).
+        self.pdl = torch.cuda.get_device_capability(device)[0] >= 9
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -197,9 +202,13 @@ class FlashInferBackend(AttentionBackend):
         wrapper, block = self._planned
         if wrapper is None:  # the Triton kernel: rows of ``block`` tokens, natural layout
             rows = q.shape[0] // block
+            # Few rows: each row's keys split over several programs (the count from the
+            # number of rows alone, so a captured graph's grid holds for any lengths).
+            splits = min(self.triton_extend.splits_for(rows, layer.num_kv_heads, self.num_sms),
+                         MAX_KV_SPLITS)
             return self.triton_extend.dllm_extend_attention(
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[:rows],
-                fb.seq_lens[:rows], block, layer.scaling)
+                fb.seq_lens[:rows], block, layer.scaling, num_splits=splits, pdl=self.pdl)
         if block == 1:
             return wrapper.run(q.contiguous(), cache)
         # [rows·block, heads, d] -> [rows, kv heads · block · group, d]: query head

@@ -52,6 +52,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - the CPU install may have no Triton
     triton = None
     tl = None
@@ -109,8 +110,11 @@ if triton is not None:
         B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         STATIC_KEYS: tl.constexpr, PREFETCH: tl.constexpr, KV_FIRST: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        if PDL:  # launched early (programmatic dependent launch): wait for q's producer
+            gdc_launch_dependents()
+            gdc_wait()
         if KV_FIRST:  # the KV heads of a row run side by side: they read the same pages
             kvh = tl.program_id(0).to(tl.int64)
             row = tl.program_id(1).to(tl.int64)
@@ -226,9 +230,13 @@ if triton is not None:
         stride_ar, stride_ah, stride_mr, stride_mh, stride_ot, stride_oh,
         B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """Merges the NUM_SPLITS partial states of MERGE_M query rows of one (row, KV head,
         chunk of M), in the order s = 0..S-1 (deterministic), into ``out``."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         SUBS: tl.constexpr = BLOCK_M // MERGE_M
@@ -269,7 +277,7 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           seq_lens: torch.Tensor, block_size: int, sm_scale: float,
                           out: torch.Tensor | None = None, config: dict | None = None,
-                          num_splits: int = 1) -> torch.Tensor:
+                          num_splits: int = 1, pdl: bool = False) -> torch.Tensor:
     """Attention of ``rows`` rows of ``block_size`` query tokens each over their paged keys.
 
     ``q`` ``[rows·B, H, D]`` (last dim contiguous; token t of row r at ``r·B + t``);
@@ -283,9 +291,11 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     chunks s, s + S, ...; any seq_len, the grid fixed), which write float32 partials to a
     workspace that a second launch merges in the order s = 0..S-1: for small batches (see
     :func:`splits_for`). Deterministic and row-independent for a given S; the bits differ
-    from another S. S = 1 is the single launch."""
+    from another S. S = 1 is the single launch. ``pdl``: launch with programmatic dependent
+    launch (Hopper and newer; each kernel waits for its predecessor before reading)."""
     if triton is None:
         raise RuntimeError("dllm_extend_attention needs Triton")
+    pdl = pdl and not _interpreted(q)
     t, h, d = q.shape
     hkv = k_buf.shape[1]
     rows = req_pool_indices.shape[0]
@@ -333,14 +343,14 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
         B=block_size, G=g, D=d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         STATIC_KEYS=req_to_token.shape[1] if _interpreted(q) else 0,
         PREFETCH=cfg["PREFETCH"], KV_FIRST=cfg["KV_FIRST"], NUM_SPLITS=num_splits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         merge_m = min(MERGE_M, block_m)
         _merge_splits_kernel[(rows, hkv, mblocks * (block_m // merge_m))](
             acc_ws, ml_ws, out, *ws_strides, out.stride(0), out.stride(1),
             B=block_size, G=g, D=d, BLOCK_M=block_m, MERGE_M=merge_m, NUM_SPLITS=num_splits,
-            num_warps=4,
+            PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out
 
