@@ -20,6 +20,7 @@ FLOPs per step ÷ measured bf16 matmul rate (8192³). Writes ``bench/results/off
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import subprocess
@@ -169,6 +170,7 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     floor_bw = byts / ceilings["hbm_bytes_per_s"]
     floor_mm = flops / ceilings["bf16_flops_per_s"]
     del llm, e
+    gc.collect()  # the engine holds reference cycles: free its KV cache before the next case
     torch.cuda.empty_cache()
     return dict(model=name, arch=arch, batch=bs, runner="cuda_graph" if graph else "eager",
                 backend=backend, step_ms=dt * 1e3, plain_step_ms=walls[False] * 1e3,
