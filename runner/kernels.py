@@ -16,6 +16,8 @@ for some of those shapes and adds a reduction kernel).
 
 from __future__ import annotations
 
+import os
+
 import flashinfer
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,8 @@ class FlashInferOps(LayerOps):
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
         # Programmatic dependent launch lets a kernel's prologue overlap its predecessor's
         # tail (Hopper and newer); decided once, not per call.
-        self.pdl = device_support_pdl(device)
+        # ``DLLM_DISABLE_PDL=1`` turns it off (to measure what it gives).
+        self.pdl = device_support_pdl(device) and os.environ.get("DLLM_DISABLE_PDL") != "1"
         # One cos/sin table per distinct rotary spec (every layer of a model shares one).
         self.cos_sin: dict[object, torch.Tensor] = {}
         for m in model.modules():

@@ -27,6 +27,7 @@ built on the host, so planning reads nothing back from the GPU.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import flashinfer
 import torch
@@ -66,7 +67,8 @@ class FlashInferBackend(AttentionBackend):
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         # Programmatic dependent launch of the Triton kernels (Hopper and newer).
-        self.pdl = torch.cuda.get_device_capability(device)[0] >= 9
+        self.pdl = (torch.cuda.get_device_capability(device)[0] >= 9
+                    and os.environ.get("DLLM_DISABLE_PDL") != "1")
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
