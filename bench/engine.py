@@ -16,9 +16,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from report import stamp, write_report
 
 
 def run(model: str | None, bs: int, algorithm: str, config: dict, prompt_len: int,
@@ -73,15 +73,13 @@ def main() -> int:
             for bs in args.batch_size.split(",")]
     text = table(rows)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     meta = {"model": args.model or "built-in", "prompt_len": args.prompt_len,
             "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
             "device": args.device, "threads": torch.get_num_threads()}
-    (out / f"engine-{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / f"engine-{stamp}.md").write_text(f"# Engine benchmark {stamp}\n\n{json.dumps(meta)}\n\n"
-                                            f"{text}")
+    when = stamp()
+    write_report(args.out, "engine",
+                 f"# Engine benchmark {when}\n\n{json.dumps(meta)}\n\n{text}",
+                 {"meta": meta, "rows": rows}, when)
     return 0
 
 

@@ -16,13 +16,11 @@ iterations launched from Python (CPU launch cost included). Prints a table and w
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
-from pathlib import Path
 
 import torch
+from report import write_report
 
 H, HKV, D, THETA, EPS, LAYERS, MAX_POS = 32, 8, 128, 1e6, 1e-6, 36, 40960
 
@@ -185,13 +183,9 @@ def main() -> int:
           f"CUDA-graph replay of {args.iters} layers (median of {args.reps}).\n\n"
           + table(rows, ops.name))
     print(md)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"fused-qkv-{stamp}.md").write_text(md)
-    (out / f"fused-qkv-{stamp}.json").write_text(json.dumps(
-        {"env": env, "args": vars(args), "current": ops.name, "rows": rows}, indent=2))
-    print(f"wrote {out}/fused-qkv-{stamp}.md/.json")
+    path = write_report(args.out, "fused-qkv", md,
+                        {"env": env, "args": vars(args), "current": ops.name, "rows": rows})
+    print(f"wrote {path} and .json")
     return 0
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline import environment, measure_ceilings  # noqa: E402
+from report import write_report
 
 # (name, K, N) of the 8B shape (hidden 4096, intermediate 12288, 32/8 heads of 128).
 SHAPES = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 24576),
@@ -83,12 +83,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(json.dumps({**environment(), **ceilings}))
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"gemm-{stamp}.md").write_text(text + "\n")
-    (out / f"gemm-{stamp}.json").write_text(json.dumps(
-        {"env": {**environment(), **ceilings}, "rows": rows}, indent=1))
+    write_report(args.out, "gemm", text, {"env": {**environment(), **ceilings}, "rows": rows})
     return 0
 
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from report import stamp, write_report
 
 # Real configs' shapes (config.json keys), the tokenizer comes from the factory.
 SHAPES = {
@@ -247,9 +248,7 @@ def main() -> int:
     env = {**environment(), **ceilings}
     print(json.dumps(env))
     rows = []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    when = stamp()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = checkpoint_dir(name, Path(tmp))
@@ -269,15 +268,14 @@ def main() -> int:
                             continue
                         rows.append(row)
                         print(table([row]).splitlines()[-1], flush=True)
-                        _write(out, stamp, env, rows)
+                        _write(args.out, when, env, rows)
     print(table(rows))
     return 0
 
 
-def _write(out: Path, stamp: str, env: dict, rows: list[dict]) -> None:
-    (out / f"offline-{stamp}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    (out / f"offline-{stamp}.md").write_text(
-        f"# Offline benchmark {stamp}\n\n{json.dumps(env)}\n\n{table(rows)}")
+def _write(out: str, when: str, env: dict, rows: list[dict]) -> None:
+    write_report(out, "offline", f"# Offline benchmark {when}\n\n{json.dumps(env)}\n\n"
+                 f"{table(rows)}", {"env": env, "rows": rows}, when)
 
 
 if __name__ == "__main__":

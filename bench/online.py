@@ -23,9 +23,9 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import httpx
+from report import stamp, write_report
 
 WORDS = ("the of and to in is was for on are with as by at from his an were which this have "
          "model block token mask diffusion answer number word river stone light music garden").split()
@@ -138,11 +138,8 @@ def main() -> int:
     table = "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v:.2f} |\n" for k, v in rows)
     print(f"{s['num_requests']} requests ({s['failed']} failed), concurrency {s['concurrency']}, "
           f"rate {s['request_rate']}, {s['duration_s']:.1f} s\n{table}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"online-{stamp}.json").write_text(json.dumps(s, indent=1))
-    (out / f"online-{stamp}.md").write_text(f"# Online benchmark {stamp}\n\n{table}")
+    when = stamp()
+    write_report(args.out, "online", f"# Online benchmark {when}\n\n{table}", s, when)
     return 1 if s["failed"] else 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from report import write_report
 
 try:
     from dllm.runner import skinny_gemm as sg
@@ -267,14 +267,10 @@ def main() -> int:
     lines += ["", f"{failures} failed correctness checks; {time.time() - t_start:.0f} s."]
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"skinny-gemm-{stamp}.md").write_text(text + "\n")
-    (out / f"skinny-gemm-{stamp}.json").write_text(json.dumps(
-        dict(env=env, copy_bytes_per_s=bw, tokens=tokens, rows=rows, sweep=sweep,
-             recommended=recommended, failures=failures), indent=1) + "\n")
-    print(f"wrote {out / f'skinny-gemm-{stamp}.md'}")
+    path = write_report(args.out, "skinny-gemm", text,
+                        dict(env=env, copy_bytes_per_s=bw, tokens=tokens, rows=rows,
+                             sweep=sweep, recommended=recommended, failures=failures))
+    print(f"wrote {path}")
     return 1 if failures else 0
 
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
 
 import torch
+from report import stamp, write_report
 
 from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
 
@@ -273,14 +272,11 @@ def main() -> int:
         print(f"ACCURACY FAILURES: {len(failures)}")
         for r in failures:
             print(r)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"triton-attn-{stamp}.md").write_text(
-        f"# Triton DLLM_EXTEND attention, {stamp}\n\n{json.dumps(env)}\n\n"
-        f"`{' '.join(sys.argv)}`\n\n{md}")
-    (out / f"triton-attn-{stamp}.json").write_text(json.dumps(
-        dict(env=env, argv=sys.argv, results=results), indent=1, default=str))
+    when = stamp()
+    write_report(args.out, "triton-attn",
+                 f"# Triton DLLM_EXTEND attention, {when}\n\n{json.dumps(env)}\n\n"
+                 f"`{' '.join(sys.argv)}`\n\n{md}",
+                 dict(env=env, argv=sys.argv, results=results), when)
     return 1 if failures else 0
 
 

@@ -255,24 +255,38 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
         q, k = out
         _check_out(q, (t, num_heads, head_dim))
         _check_out(k, (t, num_kv_heads, head_dim))
+    # k stands in for the V destination too: without STORE there are no V programs.
+    _launch(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps, cos_sin,
+            positions, rot, q, k, k, None, pdl=False)
+    return q, k
+
+
+def _launch(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+            cos_sin: torch.Tensor, positions: torch.Tensor, rot: int, q: torch.Tensor,
+            k_dst: torch.Tensor, v_dst: torch.Tensor, loc: torch.Tensor | None,
+            pdl: bool) -> None:
+    """One launch of the kernel: q heads to ``q``, k heads to ``k_dst`` (row ``t``, or row
+    ``loc[t]`` with ``loc``, which also copies the v heads to ``v_dst[loc[t]]``)."""
+    t = qkv.shape[0]
     if t == 0:
-        return q, k
+        return
+    store = loc is not None
     block = _block_heads(t, num_heads, num_kv_heads, head_dim)
     dummy = qkv  # never read: the matching constexpr flag is off
-    grid = (t, (num_heads + num_kv_heads) // block)
-    _qk_norm_rope_kernel[grid](
+    heads = num_heads + (2 if store else 1) * num_kv_heads
+    _qk_norm_rope_kernel[(t, heads // block)](
         qkv, qkv.stride(0),
         dummy if q_weight is None else q_weight, dummy if k_weight is None else k_weight,
-        cos_sin, cos_sin.stride(0), positions, positions,
+        cos_sin, cos_sin.stride(0), positions, loc if store else positions,
         q, q.stride(0),
-        k, k.stride(0), k.stride(1),
-        k, k.stride(0), k.stride(1),
+        k_dst, k_dst.stride(0), k_dst.stride(1),
+        v_dst, v_dst.stride(0), v_dst.stride(1),
         float(eps),
         H=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, BLOCK_H=block,
-        Q_NORM=q_weight is not None, K_NORM=k_weight is not None, STORE=False,
-        num_warps=_num_warps(block, head_dim),
+        Q_NORM=q_weight is not None, K_NORM=k_weight is not None, STORE=store,
+        PDL=pdl, launch_pdl=pdl, num_warps=_num_warps(block, head_dim),
     )
-    return q, k
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -295,23 +309,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
     else:
         q = q_out
         _check_out(q, (t, num_heads, head_dim))
-    if t == 0:
-        return q
-    block = _block_heads(t, num_heads, num_kv_heads, head_dim)
-    dummy = qkv
-    grid = (t, (num_heads + 2 * num_kv_heads) // block)
-    _qk_norm_rope_kernel[grid](
-        qkv, qkv.stride(0),
-        dummy if q_weight is None else q_weight, dummy if k_weight is None else k_weight,
-        cos_sin, cos_sin.stride(0), positions, loc,
-        q, q.stride(0),
-        k_buf, k_buf.stride(0), k_buf.stride(1),
-        v_buf, v_buf.stride(0), v_buf.stride(1),
-        float(eps),
-        H=num_heads, HKV=num_kv_heads, D=head_dim, ROT=rot, BLOCK_H=block,
-        Q_NORM=q_weight is not None, K_NORM=k_weight is not None, STORE=True,
-        PDL=pdl, launch_pdl=pdl, num_warps=_num_warps(block, head_dim),
-    )
+    _launch(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps, cos_sin,
+            positions, rot, q, k_buf, v_buf, loc, pdl=pdl)
     return q
 
 
