@@ -111,6 +111,11 @@ class SelfAttention(UsesOps, nn.Module):
         self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.qkv_proj: nn.Linear | None = None
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.spec.qk_norm:
+            return None, None
+        return self.q_norm.weight, self.k_norm.weight
+
     def fuse(self) -> None:
         """After loading: one ``qkv_proj`` GEMM instead of three."""
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)

@@ -51,16 +51,14 @@ class FusedQKVAttention(UsesOps, nn.Module):
         self.rotary_emb = RotaryEmbedding(spec.rope)
         self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.spec.qk_norm:
+            return None, None
+        return self.query_layernorm.weight, self.key_layernorm.weight
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        s, t = self.spec, x.shape[0]
-        q, k, v = self.query_key_value(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = self.ops.head_rms_norm(q, self.query_layernorm.weight, s.norm_eps)
-            k = self.ops.head_rms_norm(k, self.key_layernorm.weight, s.norm_eps)
-        q, k = self.ops.rope(self.rotary_emb, positions, q, k, forward_batch.memo)
+        q, k, v = self.ops.qkv_rope(self, self.query_key_value(x), positions, forward_batch)
         return self.dense(self.attn(q, k, v, forward_batch))
 
 

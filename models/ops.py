@@ -12,16 +12,29 @@ kernel where the reference rounds between steps).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from dllm.models.decoder import SelfAttention
+    from dllm.models.attention import Attention
+    from dllm.models.decoder import AttentionSpec
     from dllm.models.layers import RotaryEmbedding
     from dllm.runner.forward_batch import ForwardBatch
+
+
+class QKVAttention(Protocol):
+    """What ``LayerOps.qkv_rope`` reads of an attention module with one fused q/k/v
+    projection (``SelfAttention``, LLaDA2's ``FusedQKVAttention``)."""
+
+    spec: AttentionSpec
+    rotary_emb: RotaryEmbedding
+    attn: Attention
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-head q and k RMSNorm weights, ``(None, None)`` without qk-norm."""
 
 
 class LayerOps:
@@ -51,7 +64,7 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def qkv_rope(self, attn: SelfAttention, qkv: torch.Tensor, positions: torch.Tensor,
+    def qkv_rope(self, attn: QKVAttention, qkv: torch.Tensor, positions: torch.Tensor,
                  forward_batch: ForwardBatch
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """From the fused q/k/v projection ``[T, (H + 2·Hkv)·D]`` of ``attn`` to attention's
@@ -64,9 +77,10 @@ class LayerOps:
         q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.view(t, s.num_heads, s.head_dim)  # [T, H, D], rows strided
         k = k.view(t, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q = self.head_rms_norm(q, attn.q_norm.weight, s.norm_eps)
-            k = self.head_rms_norm(k, attn.k_norm.weight, s.norm_eps)
+        q_weight, k_weight = attn.qk_norm_weights()
+        if q_weight is not None:
+            q = self.head_rms_norm(q, q_weight, s.norm_eps)
+            k = self.head_rms_norm(k, k_weight, s.norm_eps)
         q, k = self.rope(attn.rotary_emb, positions, q, k, forward_batch.memo)
         return (q.view(t, s.num_heads, s.head_dim), k.view(t, s.num_kv_heads, s.head_dim),
                 v.view(t, s.num_kv_heads, s.head_dim))

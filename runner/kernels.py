@@ -31,14 +31,18 @@ from dllm.models.ops import LayerOps
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel's prologue overlaps its predecessor's tail,
+    Hopper and newer) for every kernel the runner launches; ``DLLM_DISABLE_PDL=1`` turns it
+    off (to measure what it gives)."""
+    return device_support_pdl(device) and os.environ.get("DLLM_DISABLE_PDL") != "1"
+
+
 class FlashInferOps(LayerOps):
     name = "flashinfer"
 
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
-        # Programmatic dependent launch lets a kernel's prologue overlap its predecessor's
-        # tail (Hopper and newer); decided once, not per call.
-        # ``DLLM_DISABLE_PDL=1`` turns it off (to measure what it gives).
-        self.pdl = device_support_pdl(device) and os.environ.get("DLLM_DISABLE_PDL") != "1"
+        self.pdl = pdl_enabled(device)  # decided once, not per call
         # One cos/sin table per distinct rotary spec (every layer of a model shares one).
         self.cos_sin: dict[object, torch.Tensor] = {}
         for m in model.modules():
@@ -108,9 +112,8 @@ class TritonOps(FlashInferOps):
         if table is None or not self._qkv.supports(qkv, s.num_heads, s.num_kv_heads,
                                                    s.head_dim, table.shape[-1]):
             return super().qkv_rope(attn, qkv, positions, fb)
-        args = (qkv, s.num_heads, s.num_kv_heads, s.head_dim,
-                attn.q_norm.weight if s.qk_norm else None,
-                attn.k_norm.weight if s.qk_norm else None, s.norm_eps, table, positions)
+        args = (qkv, s.num_heads, s.num_kv_heads, s.head_dim, *attn.qk_norm_weights(),
+                s.norm_eps, table, positions)
         if fb.kv_pool is not None and fb.out_cache_loc.shape[0] == qkv.shape[0]:
             k_buf, v_buf = fb.kv_pool.get_kv(attn.attn.spec.layer_id)
             if self._qkv.supports_store(qkv, s.num_heads, s.num_kv_heads, s.head_dim,
