@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import logging
 import random
@@ -33,7 +32,7 @@ from dllm.models.ops import install_ops
 from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.request import FinishReason, Req
-from dllm.runner.attention import make_backend, resolve_backend_name
+from dllm.runner.attention import make_backend, resolve_backend_name, triton_available
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch
 from dllm.runner.model_runner import ModelRunner
 from dllm.sampling_params import SamplingParams, check_engine_keys
@@ -192,7 +191,7 @@ class Engine:
                 and resolve_backend_name(cfg.attention_backend, self.device) == "flashinfer"):
             from dllm.runner.kernels import FlashInferOps, TritonOps
 
-            ops = TritonOps if importlib.util.find_spec("triton") is not None else FlashInferOps
+            ops = TritonOps if triton_available() else FlashInferOps
             install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))
 
     def _init_cuda_graphs(self) -> None:

@@ -14,6 +14,11 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
+def triton_available() -> bool:
+    """Whether the project's Triton kernels can run (CUDA builds of torch bring Triton)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_backend_name(name: str, device: torch.device) -> str:
     if name == "auto":
         return "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"

@@ -26,16 +26,15 @@ built on the host, so planning reads nothing back from the GPU.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import flashinfer
 import torch
 
+from dllm.runner.attention import triton_available
 from dllm.runner.attention.base import AttentionBackend, AttentionLayer
 from dllm.runner.attention.mask import visibility
 from dllm.runner.attention.page_table import build_page_table
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
+from dllm.runner.kernels import pdl_enabled
 
 WORKSPACE_BYTES = 256 * 2**20
 # Key splits of the Triton ``DLLM_EXTEND`` kernel at small batch: a row of a few hundred keys
@@ -66,9 +65,7 @@ class FlashInferBackend(AttentionBackend):
         eager runner) for batches of any shape."""
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # Programmatic dependent launch of the Triton kernels (Hopper and newer).
-        self.pdl = (torch.cuda.get_device_capability(device)[0] >= 9
-                    and os.environ.get("DLLM_DISABLE_PDL") != "1")
+        self.pdl = pdl_enabled(device)  # for the Triton kernel
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -106,7 +103,7 @@ class FlashInferBackend(AttentionBackend):
         # installed (``triton_extend``: no plan, no head permutation, 1.6× faster than the
         # packed form below at 128 rows of SDAR-8B and 1.9× than the paged prefill at one).
         self.triton_extend = None
-        if importlib.util.find_spec("triton") is not None:
+        if triton_available():
             from dllm.runner.attention import triton_extend
 
             self.triton_extend = triton_extend
