@@ -102,6 +102,8 @@ def config_rows(reqs: list[Req]) -> dict[str, list]:
 def state_rows(reqs: list[Req], device: torch.device) -> dict[str, torch.Tensor]:
     """Each row's algorithm state, stacked on the device (zeros at a block's start)."""
     keys = sorted({k for r in reqs for k in get_algorithm(r.algorithm).state_keys})
+    if not keys:  # most algorithms keep no state: no device work at all
+        return {}
     zero = torch.zeros((), dtype=torch.int64, device=device)
     return {f"state.{k}": torch.stack([r.block.algo_state.get(k, zero) for r in reqs])
             for k in keys}

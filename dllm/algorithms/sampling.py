@@ -36,6 +36,7 @@ it agrees with the reference to float32 rounding and is still independent of the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -127,22 +128,20 @@ def sample_tokens(
     return SampleOutput(x0, logprobs.gather(-1, x0[..., None]).squeeze(-1), logprobs)
 
 
-_FUSED_GREEDY: list = []  # [the fused greedy draw, or None where Triton is missing]
+@functools.cache
+def _greedy_module():
+    """:mod:`dllm.algorithms.greedy_kernel`, or None where Triton is missing."""
+    try:
+        from dllm.algorithms import greedy_kernel
+    except ImportError:
+        return None
+    return greedy_kernel
 
 
 def _greedy_kernel(logits: Tensor) -> Callable | None:
-    """The one-pass greedy draw (:mod:`dllm.algorithms.greedy_kernel`) for CUDA logits when
-    Triton is installed; None elsewhere (the reference path below)."""
-    if not logits.is_cuda:
-        return None
-    if not _FUSED_GREEDY:
-        try:
-            from dllm.algorithms import greedy_kernel
-        except ImportError:  # no Triton: the reference path
-            _FUSED_GREEDY.append(None)
-        else:
-            _FUSED_GREEDY.append(greedy_kernel)
-    kernel = _FUSED_GREEDY[0]
+    """The one-pass greedy draw for CUDA logits when Triton is installed; None elsewhere
+    (the reference path below)."""
+    kernel = _greedy_module() if logits.is_cuda else None
     return kernel.greedy_log_confidence if kernel and kernel.supports(logits) else None
 
 
