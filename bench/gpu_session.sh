@@ -32,6 +32,10 @@ trap 'tar czf "$OUT/fi-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/nu
   rm -f "$OUT"/trace-*.json; (cd "$OUT" && ls ./*.log >/dev/null 2>&1 && \
   tar czf logs.tgz ./*.log && rm -f ./*.log)' EXIT
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# The GPU's clocks, power and temperature twice a second for the whole session (clocks.log in
+# logs.tgz): whether a slow kernel ran at a lower clock.
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
+clocks_throttle_reasons.active --format=csv -lms 500 > "$OUT/clocks.log" 2>&1 &
 # How long a fresh process takes to import FlashInfer and load (or build) one JIT module: the
 # GPU tests were slow even with the cache present (bench/NOTES.md).
 timeout 300 python3 -c "import time; t = time.time(); import flashinfer; \

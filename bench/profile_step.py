@@ -72,6 +72,33 @@ def time_phases(engine, steps: int) -> tuple[float, dict[str, float]]:
     return wall, {k: v / steps for k, v in spent.items()}
 
 
+GAP_LIMIT_US = 50  # a longer idle stretch is the GPU waiting for the host between steps
+
+
+def gap_summary(spans: list[tuple[float, float, str]], steps: int, top: int = 8) -> dict:
+    """Idle time between consecutive kernels (start-sorted, µs), per step: how much of the
+    step's span no kernel runs, and which kernel transitions it sits in."""
+    spans = sorted(spans)
+    total, count, overlaps = 0.0, 0, 0
+    pairs: dict[tuple[str, str], list[float]] = {}
+    end = None
+    for (start, _stop, name), prev in zip(spans[1:], spans[:-1], strict=True):
+        end = prev[1] if end is None else max(end, prev[1])
+        gap = start - end
+        if gap < 0:
+            overlaps += 1
+        elif gap < GAP_LIMIT_US:
+            total += gap
+            count += 1
+            p = pairs.setdefault((prev[2], name), [0.0, 0])
+            p[0] += gap
+            p[1] += 1
+    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(gap_ms=total / steps / 1e3, gaps=count / steps, overlaps=overlaps / steps,
+                mean_us=total / max(count, 1),
+                top=[(k, (t / steps, c / steps)) for k, (t, c) in ranked])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="sdar-8b", choices=sorted(SHAPES))
@@ -107,9 +134,12 @@ def main() -> int:
             torch.cuda.synchronize()
     prof.export_chrome_trace(str(out / f"trace-{tag}.json"))
     kernels: dict[str, list[float]] = {}
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(ev.name, []).append(ev.device_time_total)
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    gaps = gap_summary(spans, args.steps)
     n = args.steps
     total = sum(sum(v) for v in kernels.values()) / n / 1e3
     rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
@@ -123,7 +153,14 @@ def main() -> int:
         ms = sum(times) / n / 1e3
         lines.append(f"| {ms:.3f} | {ms / total:.1%} | {len(times) / n:.0f} | "
                      f"{sum(times) / len(times):.1f} | {name[:110]} |")
-    lines += ["", "Host operators (self CPU time):", "",
+    lines += ["", f"Between consecutive kernels (gaps under {GAP_LIMIT_US} µs, i.e. inside a "
+              f"step): {gaps['gap_ms']:.3f} ms/step idle over {gaps['gaps']:.0f} gaps "
+              f"({gaps['mean_us']:.2f} µs mean); {gaps['overlaps']:.0f} kernels/step started "
+              "before their predecessor ended (programmatic dependent launch at work).", "",
+              "| µs/step idle | count/step | µs mean | after → before |", "|---|---|---|---|",
+              *(f"| {t:.1f} | {c:.0f} | {t / c:.2f} | {a[:50]} → {b[:50]} |"
+                for (a, b), (t, c) in gaps["top"]),
+              "", "Host operators (self CPU time):", "",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)]
     text = "\n".join(lines)
     print(text)

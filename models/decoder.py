@@ -27,7 +27,7 @@ from dllm.models.layers import (
     fuse_linears,
 )
 from dllm.models.moe import StackedExperts
-from dllm.models.ops import UsesOps
+from dllm.models.ops import QKVAttention, UsesOps
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 if TYPE_CHECKING:
@@ -127,9 +127,28 @@ class SelfAttention(UsesOps, nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         else:
             qkv = self.ops.linear(x, self.qkv_proj)
-        # q [T, H, D], k/v [T, Hkv, D]; k and v None when the ops wrote them to the KV cache.
-        q, k, v = self.ops.qkv_rope(self, qkv, positions, forward_batch)
-        return self.ops.linear(self.attn(q, k, v, forward_batch), self.o_proj)
+        return attend_qkv(self, qkv, self.o_proj, positions, forward_batch)
+
+    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor,
+                       residual: torch.Tensor | None, norm: RMSNorm,
+                       forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(positions, h), s)`` with ``h, s = norm.add_forward(x, residual)``: the
+        decoder's residual step and this attention in one call, so that the layer ops may
+        fuse the norm into the q/k/v projection (``LayerOps.norm_linear``)."""
+        if self.qkv_proj is None:
+            h, s = norm.add_forward(x, residual)
+            return self(positions, h, forward_batch), s
+        qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
+        return attend_qkv(self, qkv, self.o_proj, positions, forward_batch), s
+
+
+def attend_qkv(attn: QKVAttention, qkv: torch.Tensor, out_proj: nn.Module,
+               positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    """From a fused q/k/v projection to the attention module's output: q/k norms and RoPE
+    (``LayerOps.qkv_rope``), attention, the output projection."""
+    # q [T, H, D], k/v [T, Hkv, D]; k and v None when the ops wrote them to the KV cache.
+    q, k, v = attn.ops.qkv_rope(attn, qkv, positions, forward_batch)
+    return attn.ops.linear(attn.attn(q, k, v, forward_batch), out_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -147,14 +166,22 @@ class DecoderLayer(nn.Module):
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's MLP output and ``residual`` the stream before it
         (``None`` at the first layer, whose ``x`` is the embedding); returns the same pair
-        for the next layer. The stream after this layer is ``residual + x`` of the result."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
+        for the next layer. The stream after this layer is ``residual + x`` of the result.
+
+        A module with ``forward_normed`` takes its norm along (``SelfAttention``,
+        ``SwiGLUMLP``), so that the layer ops may fuse the residual step into its first
+        projection; other modules (MoE) get the normalised input."""
+        attn, mlp = self.self_attn, self.mlp
+        if hasattr(attn, "forward_normed"):
+            h, residual = attn.forward_normed(positions, x, residual, self.input_layernorm,
+                                              forward_batch)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(positions, h, forward_batch)
+            h = attn(positions, h, forward_batch)
+        if hasattr(mlp, "forward_normed"):
+            return mlp.forward_normed(h, residual, self.post_attention_layernorm)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -170,7 +197,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, forward_batch)
-        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
+        return self.norm.add_forward(x, residual)[0]
 
 
 class DecoderLM(UsesOps, nn.Module):

@@ -27,10 +27,11 @@ class RMSNorm(UsesOps, nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor,
-                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(residual + x), residual + x)``: the pre-norm decoder's residual step, one
-        kernel where the layer ops fuse it."""
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        kernel where the layer ops fuse it. ``residual`` None (the first layer): ``(self(x),
+        x)``."""
+        return self.ops.pre_norm(x, residual, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +213,17 @@ class SwiGLUMLP(UsesOps, nn.Module):
             return self.ops.silu_mul_linear(self.ops.linear(x, self.gate_up_proj),
                                             self.down_proj)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(h), s)`` with ``h, s = norm.add_forward(x, residual)``: the decoder's
+        residual step and this MLP in one call, so that the layer ops may fuse the norm into
+        the gate/up projection (``LayerOps.norm_swiglu``)."""
+        if self.gate_up_proj is None:
+            h, s = norm.add_forward(x, residual)
+            return self(h), s
+        return self.ops.norm_swiglu(x, residual, norm.weight, norm.eps, self.gate_up_proj,
+                                    self.down_proj)
 
 
 class VocabEmbedding(nn.Module):

@@ -22,7 +22,7 @@ from torch import nn
 
 from dllm.models.attention import Attention
 from dllm.models.config import ModelConfig
-from dllm.models.decoder import AttentionSpec, DecoderLM, hf_lm_sizes
+from dllm.models.decoder import AttentionSpec, DecoderLM, attend_qkv, hf_lm_sizes
 from dllm.models.layers import (
     RMSNorm,
     RopeSpec,
@@ -58,8 +58,15 @@ class FusedQKVAttention(UsesOps, nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.ops.qkv_rope(self, self.query_key_value(x), positions, forward_batch)
-        return self.dense(self.attn(q, k, v, forward_batch))
+        qkv = self.ops.linear(x, self.query_key_value)
+        return attend_qkv(self, qkv, self.dense, positions, forward_batch)
+
+    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor,
+                       residual: torch.Tensor | None, norm: RMSNorm,
+                       forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``SelfAttention.forward_normed``: the residual step rides with the projection."""
+        qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, self.query_key_value)
+        return attend_qkv(self, qkv, self.dense, positions, forward_batch), s
 
 
 class LLaDA2Gate(nn.Module):

@@ -32,6 +32,7 @@ class QKVAttention(Protocol):
     spec: AttentionSpec
     rotary_emb: RotaryEmbedding
     attn: Attention
+    ops: LayerOps
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The per-head q and k RMSNorm weights, ``(None, None)`` without qk-norm."""
@@ -93,6 +94,29 @@ class LayerOps:
     def silu_mul_linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """``layer(silu_and_mul(x))``: SwiGLU's down projection of the fused gate/up output."""
         return self.linear(self.silu_and_mul(x), layer)
+
+    def pre_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm decoder's residual step: ``(rms_norm(s), s)`` with the stream
+        ``s = residual + x``, or ``s = x`` at the first layer (``residual`` None)."""
+        if residual is None:
+            return self.rms_norm(x, weight, eps), x
+        return self.add_rms_norm(x, residual, weight, eps)
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rms_norm(s), layer), s)``: the residual step (``pre_norm``) and the
+        projection after it, which an implementation may fuse into one kernel."""
+        h, s = self.pre_norm(x, residual, weight, eps)
+        return self.linear(h, layer), s
+
+    def norm_swiglu(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float, gate_up: nn.Module, down: nn.Linear
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(down(silu_and_mul(gate_up(rms_norm(s)))), s)``: the residual step and a SwiGLU
+        MLP with fused gate/up weights."""
+        h, s = self.pre_norm(x, residual, weight, eps)
+        return self.silu_mul_linear(self.linear(h, gate_up), down), s
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:

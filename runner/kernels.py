@@ -11,7 +11,8 @@ FlashInfer has no kernel for (float32) take the reference path.
 ``TritonOps`` adds the project's Triton kernels where Triton is installed: the q/k head norms,
 RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``), and a
 weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
-for some of those shapes and adds a reduction kernel).
+for some of those shapes and adds a reduction kernel) that also takes the residual add +
+RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after gate/up.
 """
 
 from __future__ import annotations
@@ -104,6 +105,20 @@ class TritonOps(FlashInferOps):
         if self._gemm.supports(x, weight, bias):
             return self._gemm.skinny_linear(x, weight, bias, pdl=self.pdl)
         return F.linear(x, weight, bias)
+
+    def norm_linear(self, x, residual, weight, eps, layer):
+        w, b = layer.weight, getattr(layer, "bias", None)
+        if self._gemm.supports_norm(x, w, b, weight, residual):
+            return self._gemm.skinny_norm_linear(x, w, b, weight, eps, residual, pdl=self.pdl)
+        return super().norm_linear(x, residual, weight, eps, layer)
+
+    def norm_swiglu(self, x, residual, weight, eps, gate_up, down):
+        w, b = gate_up.weight, getattr(gate_up, "bias", None)
+        if self._gemm.supports_norm(x, w, b, weight, residual, silu=True):
+            act, s = self._gemm.skinny_norm_linear(x, w, b, weight, eps, residual, silu=True,
+                                                   pdl=self.pdl)
+            return self.linear(act, down), s
+        return super().norm_swiglu(x, residual, weight, eps, gate_up, down)
 
     def qkv_rope(self, attn, qkv, positions, forward_batch):
         s = attn.spec

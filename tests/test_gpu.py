@@ -4,6 +4,7 @@ scheduling (the CUDA default) equals eager output of the plain loop, token for t
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -257,6 +258,42 @@ def test_triton_ops_match_the_reference_ops():
     assert torch.equal(v_buf[fb.out_cache_loc], rv)
 
 
+def test_triton_ops_fused_residual_step_matches_the_reference_ops():
+    """``TritonOps.norm_linear`` / ``norm_swiglu`` (residual add + RMSNorm in the skinny GEMM's
+    K loop, SiLU-and-mul in its epilogue) against the plain-PyTorch ops, with and without a
+    residual, at 1-16 rows (fused) and 37 rows (the unfused fallback)."""
+    pytest.importorskip("triton")
+    from dllm.models.layers import SwiGLUMLP
+    from dllm.models.ops import TORCH_OPS
+    from dllm.runner.kernels import TritonOps
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hid, inter = 1024, 2816
+    mlp = SwiGLUMLP(hid, inter)
+    mlp.fuse()
+    mlp.to(dev, torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(hid)).to(dev, torch.bfloat16)
+    ops = TritonOps(mlp, 4096, dev)
+    ref = copy.deepcopy(mlp).float()  # the float32 reference on upcast weights
+    for m in (1, 4, 16, 37):
+        x = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
+        for res in (None, torch.randn(m, hid, device=dev, dtype=torch.bfloat16)):
+            res32 = None if res is None else res.float()
+            ref_y, ref_s = TORCH_OPS.norm_linear(x.float(), res32, nw.float(), 1e-6,
+                                                 ref.gate_up_proj)
+            y, s = ops.norm_linear(x.clone(), None if res is None else res.clone(), nw, 1e-6,
+                                   mlp.gate_up_proj)
+            assert _rel(y, ref_y) < 1e-2 and _rel(s, ref_s) < 1e-2
+            if res is not None:  # the stream is rounded once, as the reference stores it
+                assert torch.equal(s, x + res)
+            ref_o, _ = TORCH_OPS.norm_swiglu(x.float(), res32, nw.float(), 1e-6,
+                                             ref.gate_up_proj, ref.down_proj)
+            o, s2 = ops.norm_swiglu(x.clone(), None if res is None else res.clone(), nw, 1e-6,
+                                    mlp.gate_up_proj, mlp.down_proj)
+            assert _rel(o, ref_o) < 1e-2 and torch.equal(s2, s)
+
+
 def test_programmatic_dependent_launch_changes_no_bits():
     """The skinny GEMM and the fused q/k/v kernel launched with programmatic dependent launch
     (each may start before its predecessor ends; the GEMM prefetches weights meanwhile), in
@@ -280,10 +317,12 @@ def test_programmatic_dependent_launch_changes_no_bits():
 
     def chain(pdl: bool, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         a = skinny_gemm.skinny_linear(x, w1, pdl=pdl)
-        qkv = skinny_gemm.skinny_linear(a, wqkv, pdl=pdl)
+        # the residual step fused into the next GEMM: reads a and x, writes the stream
+        qkv, stream = skinny_gemm.skinny_norm_linear(a, wqkv, None, qn.repeat(hid // d), 1e-6,
+                                                     x, pdl=pdl)
         q = fused_qkv.qk_norm_rope_store(qkv, h, hkv, d, qn, kn, 1e-6, table, pos, *kv, loc,
                                          pdl=pdl)
-        return skinny_gemm.skinny_linear(q.view(4, h * d), wo, pdl=pdl)
+        return skinny_gemm.skinny_linear(q.view(4, h * d), wo, pdl=pdl) + stream
 
     def cache():
         return tuple(torch.zeros(64, hkv, d, **bf) for _ in range(2))

@@ -168,3 +168,76 @@ def test_configs(sg, case, n, k):
     for m in (1, 2, 7):
         y = sg.skinny_linear(x16[:m].clone(), w, b, config=cfg, out=_poisoned(m, n))
         assert torch.equal(y, y16[:m]), f"M={m} rows differ from the same rows in M=16"
+
+
+# --- the fused residual add + RMSNorm prologue and SiLU epilogue (skinny_norm_linear) ---
+
+NORM_SHAPES = [(256, 512), (130, 400)] if INTERPRET else [(6144, 4096), (24576, 4096),
+                                                           (6144 + 80, 4096 + 16)]
+EPS = 1e-6
+
+
+def _norm_ref(x, r, nw, w, b, silu):
+    """float64 reference from the rounded stream: s = x + r (in the dtype), then
+    F.linear(rms_norm(s) * nw, w, b) (and silu(gate) * up)."""
+    s = x if r is None else (x.float() + r.float()).to(DTYPE)
+    sd = s.double()
+    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + EPS) * nw.double()
+    y = normed @ w.double().T + (0 if b is None else b.double())
+    if silu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y, s
+
+
+@pytest.mark.parametrize("n,k", NORM_SHAPES)
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("res", [False, True])
+def test_norm_linear_matches_reference(sg, n, k, silu, res):
+    w, b = _weights(n, k, seed=n + k + 1)
+    g = torch.Generator().manual_seed(11)
+    nw = (1 + 0.5 * torch.randn(k, generator=g)).to(DTYPE).to(DEV)
+    for m in TOKENS:
+        x = _x(m, k, seed=100 + m)
+        r = _x(m, k, seed=200 + m) if res else None
+        for bias in (None, b):
+            assert sg.supports_norm(x, w, bias, nw, r, silu=silu)
+            n_out = n // 2 if silu else n
+            y, s = sg.skinny_norm_linear(x, w, bias, nw, EPS, r, silu=silu,
+                                         out=_poisoned(m, n_out))
+            ref, s_ref = _norm_ref(x, r, nw, w, bias, silu)
+            assert y.shape == (m, n_out) and torch.isfinite(y).all()
+            assert torch.equal(s, s_ref), "the stream is x + residual rounded once"
+            assert _rel(y, ref) < 1e-2, (m, _rel(y, ref))
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_linear_row_independent(sg, silu):
+    n, k = NORM_SHAPES[-1]
+    w, b = _weights(n, k, seed=3)
+    nw = _x(1, k, seed=4)[0]
+    x16, r16 = _x(16, k, seed=5), _x(16, k, seed=6)
+    y16, s16 = sg.skinny_norm_linear(x16, w, b, nw, EPS, r16, silu=silu)
+    again, _ = sg.skinny_norm_linear(x16, w, b, nw, EPS, r16, silu=silu)
+    assert torch.equal(y16, again)
+    for m in (1, 3, 8):
+        y, s = sg.skinny_norm_linear(x16[:m].clone(), w, b, nw, EPS, r16[:m].clone(),
+                                     silu=silu)
+        assert torch.equal(y, y16[:m]) and torch.equal(s, s16[:m])
+
+
+def test_norm_linear_in_graph(sg):
+    if INTERPRET:
+        pytest.skip("CUDA graphs need CUDA")
+    n, k = 24576, 4096
+    w, _ = _weights(n, k, seed=7)
+    nw = _x(1, k, seed=8)[0]
+    x, r = _x(4, k, seed=9), _x(4, k, seed=10)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, s = sg.skinny_norm_linear(x, w, None, nw, EPS, r, silu=True, pdl=True)
+    x.copy_(_x(4, k, seed=11))
+    graph.replay()
+    torch.cuda.synchronize()
+    y_eager, s_eager = sg.skinny_norm_linear(x, w, None, nw, EPS, r, silu=True)
+    assert torch.equal(y, y_eager) and torch.equal(s, s_eager)
