@@ -142,10 +142,14 @@ def main() -> int:
     ap.add_argument("--lm-head", action="store_true", help="also the N=151936 LM head")
     ap.add_argument("--shapes", default="", help="comma list of shape names (default all)")
     ap.add_argument("--max-configs", type=int, default=0, help="cap candidates per shape")
+    ap.add_argument("--fused", action="store_true",
+                    help="time skinny_norm_linear's fused variants against the plain kernel")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/skinny_gemm.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.fused:
+        return fused_main(args)
     torch.manual_seed(0)
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = SHAPES + ([LM_HEAD] if args.lm_head else [])
@@ -271,6 +275,75 @@ def main() -> int:
                         dict(env=env, copy_bytes_per_s=bw, tokens=tokens, rows=rows,
                              sweep=sweep, recommended=recommended, failures=failures))
     print(f"wrote {path}")
+    return 1 if failures else 0
+
+
+FUSED_VARIANTS = [  # (label, residual, silu, pdl)
+    ("plain", None, False, False), ("norm", False, False, False),
+    ("add+norm", True, False, False), ("add+norm+silu", True, True, False),
+    ("plain, pdl", None, False, True), ("add+norm+silu, pdl", True, True, True)]
+
+
+def fused_main(args) -> int:
+    """``skinny_norm_linear`` (residual add + RMSNorm in the K loop, SiLU in the epilogue)
+    against ``skinny_linear`` on the q/k/v and gate/up shapes: the fusion should cost about
+    nothing over the plain kernel."""
+    torch.manual_seed(0)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    env = environment()
+    dt = torch.bfloat16
+    rows, failures = [], 0
+    for name, n, k in [s for s in SHAPES if s[0] in ("qkv", "gate_up")]:
+        copies = max(1, -(-ROTATE_BYTES // (2 * n * k)))
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) * k**-0.5 for _ in range(copies)]
+        nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dt)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            r = torch.randn(m, k, device="cuda", dtype=dt)
+            s = (x.float() + r.float()).to(dt).double()
+            normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+            for label, res, silu, pdl in FUSED_VARIANTS:
+                if silu and name != "gate_up":
+                    continue
+                if res is None:
+                    def call(w, x=x, pdl=pdl):
+                        return sg.skinny_linear(x, w, pdl=pdl)
+                    ref = x.double() @ ws[0].double().T
+                else:
+                    def call(w, x=x, r=r, nw=nw, res=res, silu=silu, pdl=pdl):
+                        return sg.skinny_norm_linear(x, w, None, nw, 1e-6, r if res else None,
+                                                     silu=silu, pdl=pdl)[0]
+                    base = normed if res else (
+                        x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True)
+                                                 + 1e-6) * nw.double())
+                    ref = base @ ws[0].double().T
+                    if silu:
+                        gate, up = ref.chunk(2, dim=-1)
+                        ref = F.silu(gate) * up
+                err = rel_err(call(ws[0]), ref)
+                failures += not err < 1e-2
+                us = graph_us(call, ws, max(20, copies * -(-20 // copies)))
+                rows.append(dict(shape=name, n=n, k=k, m=m, variant=label, us=us,
+                                 tb_s=2 * n * k / us / 1e6, err=err))
+                print(f"  {name} M={m} {label:>20}: {us:.1f} µs, {2 * n * k / us / 1e6:.2f} "
+                      f"TB/s, err {err:.1e}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    lines = [f"# Skinny GEMM, fused residual step vs plain ({env['gpu']}, torch "
+             f"{env['torch']}, triton {env['triton']})", "",
+             "Median µs per call over CUDA-graph replays, weights rotated through > L2.", "",
+             "| shape | M | " + " | ".join(v[0] for v in FUSED_VARIANTS) + " |",
+             "|---|---|" + "---|" * len(FUSED_VARIANTS)]
+    for name in ("qkv", "gate_up"):
+        for m in tokens:
+            cell = {r["variant"]: f"{r['us']:.1f}" for r in rows
+                    if r["shape"] == name and r["m"] == m}
+            lines.append(f"| {name} | {m} | " + " | ".join(cell.get(v[0], "—")
+                                                           for v in FUSED_VARIANTS) + " |")
+    lines += ["", f"{failures} failed correctness checks."]
+    text = "\n".join(lines)
+    print(text)
+    print(f"wrote {write_report(args.out, 'skinny-fused', text, dict(env=env, rows=rows))}")
     return 1 if failures else 0
 
 
