@@ -27,7 +27,7 @@ from dllm.models.layers import (
     fuse_linears,
 )
 from dllm.models.moe import StackedExperts
-from dllm.models.ops import QKVAttention, UsesOps
+from dllm.models.ops import PreNormed, QKVAttention, UsesOps
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 if TYPE_CHECKING:
@@ -127,28 +127,42 @@ class SelfAttention(UsesOps, nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         else:
             qkv = self.ops.linear(x, self.qkv_proj)
-        return attend_qkv(self, qkv, self.o_proj, positions, forward_batch)
+        return self.ops.linear(attend_qkv(self, qkv, positions, forward_batch), self.o_proj)
 
-    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor,
+    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
                        residual: torch.Tensor | None, norm: RMSNorm,
-                       forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(positions, h), s)`` with ``h, s = norm.add_forward(x, residual)``: the
-        decoder's residual step and this attention in one call, so that the layer ops may
-        fuse the norm into the q/k/v projection (``LayerOps.norm_linear``)."""
+                       forward_batch: ForwardBatch, next_norm: RMSNorm | None = None
+                       ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
+        """This attention with the decoder's residual steps around it, so that the layer ops
+        may fuse them into its projections (see ``SwiGLUMLP.forward_normed``)."""
         if self.qkv_proj is None:
             h, s = norm.add_forward(x, residual)
             return self(positions, h, forward_batch), s
-        qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, self.qkv_proj)
-        return attend_qkv(self, qkv, self.o_proj, positions, forward_batch), s
+        return normed_attention(self, self.qkv_proj, self.o_proj, positions, x, residual, norm,
+                                forward_batch, next_norm)
 
 
-def attend_qkv(attn: QKVAttention, qkv: torch.Tensor, out_proj: nn.Module,
-               positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-    """From a fused q/k/v projection to the attention module's output: q/k norms and RoPE
-    (``LayerOps.qkv_rope``), attention, the output projection."""
+def attend_qkv(attn: QKVAttention, qkv: torch.Tensor, positions: torch.Tensor,
+               forward_batch: ForwardBatch) -> torch.Tensor:
+    """From a fused q/k/v projection to the attention output (before the output projection):
+    q/k norms and RoPE (``LayerOps.qkv_rope``), then attention."""
     # q [T, H, D], k/v [T, Hkv, D]; k and v None when the ops wrote them to the KV cache.
     q, k, v = attn.ops.qkv_rope(attn, qkv, positions, forward_batch)
-    return attn.ops.linear(attn.attn(q, k, v, forward_batch), out_proj)
+    return attn.attn(q, k, v, forward_batch)
+
+
+def normed_attention(attn: QKVAttention, qkv_proj: nn.Module, out_proj: nn.Module,
+                     positions: torch.Tensor, x: torch.Tensor | PreNormed,
+                     residual: torch.Tensor | None, norm: RMSNorm, forward_batch: ForwardBatch,
+                     next_norm: RMSNorm | None
+                     ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
+    """``forward_normed`` of an attention module with one fused q/k/v projection."""
+    ops = attn.ops
+    qkv, s = ops.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj)
+    out = attend_qkv(attn, qkv, positions, forward_batch)
+    if next_norm is None:
+        return ops.linear(out, out_proj), s
+    return ops.linear_residual(out, out_proj, s, next_norm.weight, next_norm.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -162,26 +176,39 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
+                residual: torch.Tensor | None, forward_batch: ForwardBatch,
+                next_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
         """``x`` is the previous layer's MLP output and ``residual`` the stream before it
         (``None`` at the first layer, whose ``x`` is the embedding); returns the same pair
         for the next layer. The stream after this layer is ``residual + x`` of the result.
+        ``next_norm`` (the next layer's input norm, when that layer takes it along): the
+        pair may come back as ``(PreNormed, None)``, the residual step into it already done.
 
-        A module with ``forward_normed`` takes its norm along (``SelfAttention``,
-        ``SwiGLUMLP``), so that the layer ops may fuse the residual step into its first
-        projection; other modules (MoE) get the normalised input."""
+        A module with ``forward_normed`` takes its norms along (``SelfAttention``,
+        ``SwiGLUMLP``), so that the layer ops may fuse the residual steps into its
+        projections; other modules (MoE) get the normalised input."""
         attn, mlp = self.self_attn, self.mlp
         if hasattr(attn, "forward_normed"):
             h, residual = attn.forward_normed(positions, x, residual, self.input_layernorm,
-                                              forward_batch)
+                                              forward_batch, self.fusable_input_norm(mlp))
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
             h = attn(positions, h, forward_batch)
         if hasattr(mlp, "forward_normed"):
-            return mlp.forward_normed(h, residual, self.post_attention_layernorm)
+            return mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return mlp(h), residual
+
+    def fusable_input_norm(self, module: nn.Module | None = None) -> RMSNorm | None:
+        """The norm in front of ``module`` (this layer's attention by default; the MLP's is
+        the post-attention norm) when ``module`` takes it along, else None."""
+        if module is None:
+            module, norm = self.self_attn, self.input_layernorm
+        else:
+            norm = self.post_attention_layernorm
+        return norm if hasattr(module, "forward_normed") else None
 
 
 class DecoderModel(nn.Module):
@@ -195,8 +222,10 @@ class DecoderModel(nn.Module):
                 forward_batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, forward_batch)
+        layers = self.layers
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].fusable_input_norm() if i + 1 < len(layers) else None
+            x, residual = layer(positions, x, residual, forward_batch, nxt)
         return self.norm.add_forward(x, residual)[0]
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.config import ModelConfig
-from dllm.models.ops import UsesOps
+from dllm.models.ops import PreNormed, UsesOps
 
 
 class RMSNorm(UsesOps, nn.Module):
@@ -26,7 +26,7 @@ class RMSNorm(UsesOps, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor,
+    def add_forward(self, x: torch.Tensor | PreNormed,
                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(residual + x), residual + x)``: the pre-norm decoder's residual step, one
         kernel where the layer ops fuse it. ``residual`` None (the first layer): ``(self(x),
@@ -214,16 +214,21 @@ class SwiGLUMLP(UsesOps, nn.Module):
                                             self.down_proj)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(h), s)`` with ``h, s = norm.add_forward(x, residual)``: the decoder's
-        residual step and this MLP in one call, so that the layer ops may fuse the norm into
-        the gate/up projection (``LayerOps.norm_swiglu``)."""
+    def forward_normed(self, x: torch.Tensor | PreNormed, residual: torch.Tensor | None,
+                       norm: RMSNorm, next_norm: RMSNorm | None = None
+                       ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
+        """This MLP with the decoder's residual steps around it, so that the layer ops may
+        fuse them into its projections: the step into ``norm`` before gate/up
+        (``LayerOps.norm_gate_up``), and, given ``next_norm``, the step into it after down
+        (``LayerOps.linear_residual``). Returns the ``(x, residual)`` pair the next
+        ``pre_norm`` takes."""
         if self.gate_up_proj is None:
             h, s = norm.add_forward(x, residual)
             return self(h), s
-        return self.ops.norm_swiglu(x, residual, norm.weight, norm.eps, self.gate_up_proj,
-                                    self.down_proj)
+        act, s = self.ops.norm_gate_up(x, residual, norm.weight, norm.eps, self.gate_up_proj)
+        if next_norm is None:
+            return self.ops.linear(act, self.down_proj), s
+        return self.ops.linear_residual(act, self.down_proj, s, next_norm.weight, next_norm.eps)
 
 
 class VocabEmbedding(nn.Module):

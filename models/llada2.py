@@ -22,7 +22,13 @@ from torch import nn
 
 from dllm.models.attention import Attention
 from dllm.models.config import ModelConfig
-from dllm.models.decoder import AttentionSpec, DecoderLM, attend_qkv, hf_lm_sizes
+from dllm.models.decoder import (
+    AttentionSpec,
+    DecoderLM,
+    attend_qkv,
+    hf_lm_sizes,
+    normed_attention,
+)
 from dllm.models.layers import (
     RMSNorm,
     RopeSpec,
@@ -31,7 +37,7 @@ from dllm.models.layers import (
     check_silu,
 )
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
-from dllm.models.ops import UsesOps
+from dllm.models.ops import PreNormed, UsesOps
 from dllm.models.weights import STACK_EXPERTS, WeightRule
 
 if TYPE_CHECKING:
@@ -59,14 +65,15 @@ class FusedQKVAttention(UsesOps, nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.ops.linear(x, self.query_key_value)
-        return attend_qkv(self, qkv, self.dense, positions, forward_batch)
+        return self.ops.linear(attend_qkv(self, qkv, positions, forward_batch), self.dense)
 
-    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor,
+    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
                        residual: torch.Tensor | None, norm: RMSNorm,
-                       forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``SelfAttention.forward_normed``: the residual step rides with the projection."""
-        qkv, s = self.ops.norm_linear(x, residual, norm.weight, norm.eps, self.query_key_value)
-        return attend_qkv(self, qkv, self.dense, positions, forward_batch), s
+                       forward_batch: ForwardBatch, next_norm: RMSNorm | None = None
+                       ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
+        """As ``SelfAttention.forward_normed``: the residual steps ride with the projections."""
+        return normed_attention(self, self.query_key_value, self.dense, positions, x, residual,
+                                norm, forward_batch, next_norm)
 
 
 class LLaDA2Gate(nn.Module):

@@ -27,7 +27,7 @@ from flashinfer.utils import device_support_pdl
 from torch import nn
 
 from dllm.models.layers import RotaryEmbedding
-from dllm.models.ops import LayerOps
+from dllm.models.ops import LayerOps, PreNormed
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -108,17 +108,33 @@ class TritonOps(FlashInferOps):
 
     def norm_linear(self, x, residual, weight, eps, layer):
         w, b = layer.weight, getattr(layer, "bias", None)
-        if self._gemm.supports_norm(x, w, b, weight, residual):
-            return self._gemm.skinny_norm_linear(x, w, b, weight, eps, residual, pdl=self.pdl)
+        if self._takes(x, weight, w, b):
+            y = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, pdl=self.pdl)
+            return y, x.stream
         return super().norm_linear(x, residual, weight, eps, layer)
 
-    def norm_swiglu(self, x, residual, weight, eps, gate_up, down):
+    def norm_gate_up(self, x, residual, weight, eps, gate_up):
         w, b = gate_up.weight, getattr(gate_up, "bias", None)
-        if self._gemm.supports_norm(x, w, b, weight, residual, silu=True):
-            act, s = self._gemm.skinny_norm_linear(x, w, b, weight, eps, residual, silu=True,
-                                                   pdl=self.pdl)
-            return self.linear(act, down), s
-        return super().norm_swiglu(x, residual, weight, eps, gate_up, down)
+        if self._takes(x, weight, w, b) and w.shape[0] % 2 == 0:
+            act = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, silu=True,
+                                           pdl=self.pdl)
+            return act, x.stream
+        return super().norm_gate_up(x, residual, weight, eps, gate_up)
+
+    def linear_residual(self, x, layer, residual, next_weight, eps):
+        w, b = layer.weight, getattr(layer, "bias", None)
+        if (isinstance(residual, torch.Tensor)
+                and self._gemm.supports_residual(x, w, b, residual, next_weight)):
+            s, scaled, sum_sq = self._gemm.skinny_linear_residual(x, w, b, residual,
+                                                                   next_weight, pdl=self.pdl)
+            return PreNormed(s, scaled, sum_sq, next_weight), None
+        return super().linear_residual(x, layer, residual, next_weight, eps)
+
+    def _takes(self, x, norm_weight, w, b) -> bool:
+        """Whether ``x`` is a ``PreNormed`` built for this norm that the skinny GEMM can
+        finish (else the reference ``pre_norm`` forms the norm from its stream)."""
+        return (isinstance(x, PreNormed) and x.weight is norm_weight
+                and self._gemm.supports(x.scaled, w, b))
 
     def qkv_rope(self, attn, qkv, positions, forward_batch):
         s = attn.spec

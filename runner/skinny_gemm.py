@@ -43,15 +43,21 @@ output is bit-identical whether it is computed alone or in a batch of up to 16.
 The hot path is launch-only (one ``torch.empty`` for the output, one for the split-K partials),
 with no host syncs or data-dependent host logic, so it can be captured in a CUDA graph.
 
-**Fused neighbours** (``skinny_norm_linear``): the residual add and RMSNorm before a
-projection, and SwiGLU's ``silu(gate) * up`` after the gate/up projection, ride along in the
-same launch. Every program reads all of x anyway, so it adds the residual, accumulates the
-row's sum of squares and scales each x tile by the norm weight in its K loop, and multiplies
-its float32 accumulator by ``1 / rms`` at the end; with SiLU it streams its gate rows and the
-matching up rows and writes ``silu(gate) * up``. At batch 1 this removes three of a layer's
-ten launches (two add + RMSNorm kernels and the SiLU kernel). (An earlier attempt put SiLU
-in the *down* projection's K loop instead: every program then recomputed the activation of
-the whole ``[M, 12288]`` input, 57-133 µs against 27 + 4-8 µs.)
+**Fused neighbours.** The pre-norm decoder's residual step (``s = residual + y``, then
+RMSNorm(s)) and SwiGLU's ``silu(gate) * up`` ride in the projections around them, with the
+main loop left as it is (only loads and MMAs): the projection *before* the norm
+(``skinny_linear_residual``, o_proj or down) adds the residual in its epilogue, multiplies by
+the next norm's weight and writes each program's partial sums of ``s²``; the projection
+*after* it (``skinny_linear(..., sum_sq=)``, q/k/v or gate/up) sums those partials in a fixed
+order and scales its float32 accumulator by ``1 / rms(s)`` at the end; with ``silu`` it
+streams its gate rows and the matching up rows and writes ``silu(gate) * up``. At batch 1 that
+removes three of a layer's ten launches (two add + RMSNorm kernels and the SiLU kernel).
+
+Work in the K loop is what must not be added: a first version normalised x tile by tile
+inside the loop (the sum of squares, the norm weight, the residual add) and took qkv from 15.5
+to 57 µs and gate/up from 49.5 to 78 µs (181 with SiLU) (``skinny-fused-20261130-010727``),
+like an earlier attempt to form SiLU-and-mul in the down projection's K loop (57-133 µs
+against 27 + 4-8 µs).
 """
 
 from __future__ import annotations
@@ -64,8 +70,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["CONFIGS", "SkinnyConfig", "config_for", "skinny_linear", "skinny_norm_linear",
-           "supports", "supports_norm"]
+__all__ = ["CONFIGS", "SkinnyConfig", "config_for", "skinny_linear", "skinny_linear_residual",
+           "supports", "supports_residual"]
 
 MAX_M = 16
 _HALF = (torch.float16, torch.bfloat16)
@@ -134,18 +140,21 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 @triton.jit(do_not_specialize=["M", "stride_ps"])
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, h_ptr, eps, M, N, K, stride_xm,
-                   stride_wn, stride_om, stride_ps, K_TILES: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr, ss_out_ptr,
+                   eps, M, N, K, stride_xm, stride_wn, stride_om, stride_ps,
+                   K_TILES: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
                    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                   NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr):
-    # NORM: x is RMSNorm's input (plus the residual r when HAS_RES; program 0 of the N axis
-    # then stores the sum, the new residual stream, to h). Each K tile is multiplied by the
-    # norm weight before the MMA and the per-row 1 / rms, known only after the last tile,
-    # scales the accumulator: (x * w / rms) @ W.T = (x * w) @ W.T / rms.
+                   SS_PARTS: tl.constexpr, SS_BLOCK: tl.constexpr, SILU: tl.constexpr,
+                   RESIDUAL: tl.constexpr):
+    # SS_PARTS > 0 (consumer of a fused residual step): x is s * norm_weight, rounded, and
+    # ss_in holds [SS_PARTS, BLOCK_M] float32 partial sums of s^2; the accumulator is scaled
+    # by 1 / rms(s) before the bias.
     # SILU: W has 2N rows [gate; up]; the program multiplies by both halves and writes
     # silu(gate) * up, N columns.
+    # RESIDUAL (producer): instead of y, write the stream s = y + r and s * nw (both rounded)
+    # and this program's partial sums of s^2 over its columns, ss_out[pid_n, :].
+    # The main loop is the plain kernel's in every case: nothing but loads and MMAs.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -172,7 +181,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, h_ptr, eps, M, N
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for kt in range(K_TILES):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -186,17 +194,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, h_ptr, eps, M, N
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[None, :], other=0.0)
             xm = m_mask & k_ok[None, :]
         x = tl.load(x_ptrs, mask=xm, other=0.0)
-        if NORM:
-            kk = kt * BLOCK_K + rk  # NORM runs unsplit: k0 == 0
-            if HAS_RES:
-                x = (x.to(tl.float32) + tl.load(r_ptr + rm[:, None] * K + kk[None, :],
-                                                mask=xm, other=0.0).to(tl.float32)
-                     ).to(x_ptr.dtype.element_ty)
-                tl.store(h_ptr + rm[:, None] * K + kk[None, :], x, mask=xm & (pid_n == 0))
-            xf = x.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(x), acc)
             if SILU:
@@ -215,8 +212,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, h_ptr, eps, M, N
         p_ptrs = out_ptr + pid_k * stride_ps + rm[:, None] * N + rn[None, :]
         tl.store(p_ptrs, acc, mask=mask)
     else:
-        if NORM:
-            rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
+        if SS_PARTS > 0:
+            rp = tl.arange(0, SS_BLOCK)
+            ss = tl.sum(tl.load(ss_in_ptr + rp[:, None] * BLOCK_M + rm[None, :],
+                                mask=rp[:, None] < SS_PARTS, other=0.0), axis=0)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
             acc = acc * rstd[:, None]
             acc_up = acc_up * rstd[:, None]
         if HAS_BIAS:
@@ -225,8 +225,20 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, h_ptr, eps, M, N
                 acc_up += tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if RESIDUAL:
+            # y rounded as the reference stores it, then the reference's bf16 residual add
+            y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            cols = rm[:, None] * N + rn[None, :]
+            st = (y + tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                  ).to(out_ptr.dtype.element_ty)
+            tl.store(s_ptr + cols, st, mask=mask)
+            sf = tl.where(mask, st.to(tl.float32), 0.0)  # the bias reaches masked rows
+            nw = tl.load(nw_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + cols, (sf * nw[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(ss_out_ptr + pid_n * BLOCK_M + rm, tl.sum(sf * sf, axis=1))
+        else:
+            o_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "stride_ps"])
@@ -258,23 +270,35 @@ def _prefetch_lines(n: int, k: int) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: SkinnyConfig | None = None,
-                  out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
+                  pdl: bool = False, sum_sq: torch.Tensor | None = None, eps: float = 0.0,
+                  silu: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= 16 (check ``supports``
     first). Float32 accumulation, output in x's dtype. ``config`` overrides the (N, K) table
     (benchmarks); ``out`` is written in place if given (tests poison it). ``pdl``: launch
     with programmatic dependent launch (Hopper and newer), streaming the first lines of each
     weight row (``PREFETCH_BYTES`` in all) into L2 before waiting for the kernel that writes
-    ``x`` (the unsplit kernel only)."""
+    ``x`` (the unsplit kernel only).
+
+    ``sum_sq`` (with ``eps``): x is the ``scaled`` output of ``skinny_linear_residual`` and
+    ``sum_sq`` its partial sums; the result is ``F.linear(rms_norm(s) * norm_weight, ...)``.
+    ``silu``: the weight is SwiGLU's fused ``[gate; up]`` (``2N`` rows) and the result is
+    ``silu(gate) * up`` (``N`` columns), rounded once from float32."""
     m, k = x.shape
-    n = weight.shape[0]
+    rows = weight.shape[0]
+    n = rows // 2 if silu else rows
     assert 1 <= m <= MAX_M, f"skinny GEMM takes 1..{MAX_M} rows, got {m}"
     assert weight.shape[1] == k and k % 16 == 0 and weight.stride(1) == 1 and x.stride(1) == 1
-    cfg = config if config is not None else config_for(n, k)
+    cfg = config if config is not None else config_for(rows, k)
+    if silu:  # each program streams BLOCK_N rows of gate and as many of up
+        cfg = SkinnyConfig(max(16, cfg.block_n // 2), cfg.block_k, 1, cfg.num_warps,
+                           cfg.num_stages, cfg.swap_ab)
+    if sum_sq is not None:
+        cfg = _unsplit(cfg)
     out = _output(out, m, n, x)
     split = cfg.split_k
     if split == 1:
-        _launch(x, weight, bias, out, cfg, pdl=pdl)
+        _launch(x, weight, bias, out, cfg, pdl=pdl, n=n, sum_sq=sum_sq, eps=eps, silu=silu)
         return out
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _launch(x, weight, bias, part, cfg, partial=True)
@@ -284,52 +308,46 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def supports_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  norm_weight: torch.Tensor, residual: torch.Tensor | None = None, *,
-                  silu: bool = False) -> bool:
-    """Whether ``skinny_norm_linear`` handles these tensors."""
-    return (supports(x, weight, bias) and norm_weight.dim() == 1
-            and norm_weight.shape[0] == x.shape[1] and norm_weight.dtype == x.dtype
-            and norm_weight.device == x.device and norm_weight.is_contiguous()
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                      and residual.device == x.device
-                                      and residual.is_contiguous()))
-            and (not silu or weight.shape[0] % 2 == 0))
+def supports_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear_residual`` handles these tensors."""
+    n = weight.shape[0]
+    return (supports(x, weight, bias) and residual.shape == (x.shape[0], n)
+            and residual.dtype == x.dtype and residual.device == x.device
+            and residual.is_contiguous() and norm_weight.shape == (n,)
+            and norm_weight.dtype == x.dtype and norm_weight.device == x.device
+            and norm_weight.is_contiguous())
 
 
-def skinny_norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       norm_weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None, *, silu: bool = False,
-                       config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
-                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pre-norm decoder's residual step and the projection after it, in one launch:
-    ``s = x + residual`` (``x`` itself when ``residual`` is None) and
-    ``y = F.linear(rms_norm(s) * norm_weight, weight, bias)``; returns ``(y, s)``. With
-    ``silu`` the weight is SwiGLU's fused ``[gate; up]`` (``2N`` rows) and ``y`` is
-    ``silu(gate) * up`` (``N`` columns), the input of the down projection.
-
-    Rounding: ``s`` is rounded to x's dtype (the stream the reference stores); the GEMM's input
-    is ``s * norm_weight`` rounded to that dtype, and the float32 accumulator is multiplied by
-    ``1 / rms(s)`` (float32, over the whole row) before the bias and the single rounding of
-    ``y``. The reference instead rounds ``s / rms(s)`` (and, with ``silu``, gate and up) to the
-    dtype; the two agree within the dtype's rounding. Rows stay independent of each other.
-    Check ``supports_norm`` first."""
+def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           residual: torch.Tensor, norm_weight: torch.Tensor, *,
+                           config: SkinnyConfig | None = None, pdl: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A projection that ends in the pre-norm decoder's residual step, with the next RMSNorm
+    half done: ``y = F.linear(x, weight, bias)`` (rounded), the stream ``s = residual + y``
+    (rounded), ``scaled = s * norm_weight`` (rounded) and the float32 partial sums of ``s²``,
+    ``[programs, 16]`` (one row per program's columns, 16 token slots). Returns
+    ``(s, scaled, sum_sq)``; ``skinny_linear(scaled, ..., sum_sq=sum_sq, eps=...)`` then
+    finishes the norm (``1 / rms(s)`` from the partials, in a fixed order) in its epilogue.
+    The reference rounds ``s / rms(s)`` instead; the two agree within the dtype's rounding.
+    Check ``supports_residual`` first."""
     m, k = x.shape
-    rows = weight.shape[0]
-    n = rows // 2 if silu else rows
+    n = weight.shape[0]
     assert 1 <= m <= MAX_M and weight.shape[1] == k and k % 16 == 0
-    cfg = config if config is not None else config_for(rows, k)
-    if silu:  # each program streams BLOCK_N rows of gate and as many of up
-        cfg = SkinnyConfig(max(16, cfg.block_n // 2), cfg.block_k, 1, cfg.num_warps,
-                           cfg.num_stages, cfg.swap_ab)
-    elif cfg.split_k != 1:  # the row's statistics need the whole K in each program
-        cfg = SkinnyConfig(cfg.block_n, cfg.block_k, 1, cfg.num_warps, cfg.num_stages,
-                           cfg.swap_ab)
-    out = _output(out, m, n, x)
-    stream = x if residual is None else torch.empty_like(residual)
-    _launch(x, weight, bias, out, cfg, pdl=pdl, n=n, norm=(norm_weight, eps),
-            residual=residual, stream=stream, silu=silu)
-    return out, stream
+    cfg = _unsplit(config if config is not None else config_for(n, k))
+    stream = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    scaled = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    sum_sq = torch.empty((triton.cdiv(n, cfg.block_n), MAX_M), dtype=torch.float32,
+                         device=x.device)
+    _launch(x, weight, bias, scaled, cfg, pdl=pdl,
+            residual=(residual, norm_weight, stream, sum_sq))
+    return stream, scaled, sum_sq
+
+
+def _unsplit(cfg: SkinnyConfig) -> SkinnyConfig:
+    """The epilogues that need a whole output row's K reduction run unsplit."""
+    return cfg if cfg.split_k == 1 else SkinnyConfig(cfg.block_n, cfg.block_k, 1,
+                                                     cfg.num_warps, cfg.num_stages, cfg.swap_ab)
 
 
 def _output(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
@@ -341,23 +359,28 @@ def _output(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             out: torch.Tensor, cfg: SkinnyConfig, *, pdl: bool = False, partial: bool = False,
-            n: int | None = None, norm: tuple[torch.Tensor, float] | None = None,
-            residual: torch.Tensor | None = None, stream: torch.Tensor | None = None,
-            silu: bool = False) -> None:
+            n: int | None = None, sum_sq: torch.Tensor | None = None, eps: float = 0.0,
+            silu: bool = False,
+            residual: tuple[torch.Tensor, ...] | None = None) -> None:
     """One launch of ``_skinny_kernel`` over ``N / BLOCK_N`` x ``split_k`` programs; ``out``
-    is the float32 ``[split_k, M, N]`` partials when ``partial``."""
+    is the float32 ``[split_k, M, N]`` partials when ``partial``. ``residual`` is
+    ``(residual, norm_weight, stream, sum_sq_out)`` of ``skinny_linear_residual``."""
     m, k = x.shape
     n = weight.shape[0] if n is None else n
     split = cfg.split_k
     k_tiles = triton.cdiv(triton.cdiv(k, split), cfg.block_k)  # per split
     lines = _prefetch_lines(weight.shape[0], k) if pdl and not partial and not _INTERPRET else 0
-    nw, eps = norm if norm is not None else (out, 0.0)  # never read without NORM
+    r, nw, s, ss_out = residual if residual is not None else (out,) * 4  # never read then
+    parts = 0
+    if sum_sq is not None:
+        parts = sum_sq.shape[0]
+        assert sum_sq.shape[1] == MAX_M and sum_sq.dtype == torch.float32
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, bias if bias is not None else out, out,
-        residual if residual is not None else out, nw, stream if stream is not None else out,
+        sum_sq if sum_sq is not None else out, r, nw, s, ss_out,
         eps, m, n, k, x.stride(0), weight.stride(0), 0 if partial else out.stride(0),
         m * n if partial else 0, K_TILES=k_tiles, HAS_BIAS=bias is not None, PARTIAL=partial,
         EVEN_K=k_tiles * cfg.block_k * split == k, SWAP_AB=cfg.swap_ab, BLOCK_M=MAX_M,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_LINES=lines,
-        NORM=norm is not None, HAS_RES=residual is not None, SILU=silu,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_LINES=lines, SS_PARTS=parts,
+        SS_BLOCK=triton.next_power_of_2(parts), SILU=silu, RESIDUAL=residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=lines > 0)

@@ -258,40 +258,55 @@ def test_triton_ops_match_the_reference_ops():
     assert torch.equal(v_buf[fb.out_cache_loc], rv)
 
 
-def test_triton_ops_fused_residual_step_matches_the_reference_ops():
-    """``TritonOps.norm_linear`` / ``norm_swiglu`` (residual add + RMSNorm in the skinny GEMM's
-    K loop, SiLU-and-mul in its epilogue) against the plain-PyTorch ops, with and without a
-    residual, at 1-16 rows (fused) and 37 rows (the unfused fallback)."""
+def test_triton_ops_fused_residual_steps_match_the_reference_ops():
+    """``TritonOps`` with the residual steps in the skinny GEMMs: an output projection that
+    adds the residual and half-normalises for the next norm (``linear_residual`` →
+    ``PreNormed``), a SwiGLU MLP that finishes the norm in its gate/up GEMM with SiLU in the
+    epilogue, and a q/k/v-like projection, against the float32 reference ops, at 1-16 rows
+    (fused) and 37 rows (reference path); and a ``PreNormed`` handed to another norm falls
+    back to the reference norm of its stream."""
     pytest.importorskip("triton")
-    from dllm.models.layers import SwiGLUMLP
-    from dllm.models.ops import TORCH_OPS
+    from dllm.models.layers import RMSNorm, SwiGLUMLP
+    from dllm.models.ops import TORCH_OPS, PreNormed, install_ops
     from dllm.runner.kernels import TritonOps
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    hid, inter = 1024, 2816
-    mlp = SwiGLUMLP(hid, inter)
-    mlp.fuse()
-    mlp.to(dev, torch.bfloat16)
-    nw = (1 + 0.1 * torch.randn(hid)).to(dev, torch.bfloat16)
-    ops = TritonOps(mlp, 4096, dev)
-    ref = copy.deepcopy(mlp).float()  # the float32 reference on upcast weights
+    hid, inter, eps = 1024, 2816, 1e-6
+    block = torch.nn.ModuleDict(dict(o=torch.nn.Linear(hid, hid, bias=False),
+                                     qkv=torch.nn.Linear(hid, 1536, bias=True),
+                                     mlp=SwiGLUMLP(hid, inter), norm=RMSNorm(hid, eps),
+                                     other=RMSNorm(hid, eps)))
+    block.mlp.fuse()
+    for norm in (block.norm, block.other):
+        torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    block.to(dev, torch.bfloat16)
+    ref = copy.deepcopy(block).float()  # the float32 reference on upcast weights
+    install_ops(block, TritonOps(block, 4096, dev))
+    install_ops(ref, TORCH_OPS)
+
+    def run(b, x, res):
+        o = b.mlp.ops
+
+        def step(weight):  # fresh each time: the unfused add + norm works in place
+            return o.linear_residual(x, b.o, res.clone(), weight, eps)
+
+        first = step(b.norm.weight)
+        out, stream = b.mlp.forward_normed(*first, b.norm)
+        qkv, stream2 = o.norm_linear(*step(b.norm.weight), b.norm.weight, eps, b.qkv)
+        # built for b.norm, consumed by b.other: the reference norm of the stream
+        other, _ = o.norm_linear(*step(b.norm.weight), b.other.weight, eps, b.qkv)
+        return first, out, stream, qkv, stream2, other
+
     for m in (1, 4, 16, 37):
         x = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
-        for res in (None, torch.randn(m, hid, device=dev, dtype=torch.bfloat16)):
-            res32 = None if res is None else res.float()
-            ref_y, ref_s = TORCH_OPS.norm_linear(x.float(), res32, nw.float(), 1e-6,
-                                                 ref.gate_up_proj)
-            y, s = ops.norm_linear(x.clone(), None if res is None else res.clone(), nw, 1e-6,
-                                   mlp.gate_up_proj)
-            assert _rel(y, ref_y) < 1e-2 and _rel(s, ref_s) < 1e-2
-            if res is not None:  # the stream is rounded once, as the reference stores it
-                assert torch.equal(s, x + res)
-            ref_o, _ = TORCH_OPS.norm_swiglu(x.float(), res32, nw.float(), 1e-6,
-                                             ref.gate_up_proj, ref.down_proj)
-            o, s2 = ops.norm_swiglu(x.clone(), None if res is None else res.clone(), nw, 1e-6,
-                                    mlp.gate_up_proj, mlp.down_proj)
-            assert _rel(o, ref_o) < 1e-2 and torch.equal(s2, s)
+        res = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
+        pending, out, stream, qkv, stream2, other = run(block, x, res)
+        _, r_out, r_stream, r_qkv, _, r_other = run(ref, x.float(), res.float())
+        assert isinstance(pending[0], PreNormed) == (m <= 16)
+        assert torch.equal(stream, stream2)
+        for got, want in ((out, r_out), (stream, r_stream), (qkv, r_qkv), (other, r_other)):
+            assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
 
 
 def test_programmatic_dependent_launch_changes_no_bits():
@@ -316,10 +331,11 @@ def test_programmatic_dependent_launch_changes_no_bits():
     loc = torch.tensor([17, 18, 19, 40], device=dev)
 
     def chain(pdl: bool, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        a = skinny_gemm.skinny_linear(x, w1, pdl=pdl)
-        # the residual step fused into the next GEMM: reads a and x, writes the stream
-        qkv, stream = skinny_gemm.skinny_norm_linear(a, wqkv, None, qn.repeat(hid // d), 1e-6,
-                                                     x, pdl=pdl)
+        # a residual step split over two GEMMs: the first adds x and writes the partial sums
+        # the second reads
+        stream, scaled, sum_sq = skinny_gemm.skinny_linear_residual(
+            x, w1, None, x, qn.repeat(hid // d), pdl=pdl)
+        qkv = skinny_gemm.skinny_linear(scaled, wqkv, sum_sq=sum_sq, eps=1e-6, pdl=pdl)
         q = fused_qkv.qk_norm_rope_store(qkv, h, hkv, d, qn, kn, 1e-6, table, pos, *kv, loc,
                                          pdl=pdl)
         return skinny_gemm.skinny_linear(q.view(4, h * d), wo, pdl=pdl) + stream

@@ -170,74 +170,93 @@ def test_configs(sg, case, n, k):
         assert torch.equal(y, y16[:m]), f"M={m} rows differ from the same rows in M=16"
 
 
-# --- the fused residual add + RMSNorm prologue and SiLU epilogue (skinny_norm_linear) ---
+# --- the residual step split over two projections: skinny_linear_residual (epilogue: add the
+# residual, scale by the next norm's weight, partial sums of squares) and skinny_linear with
+# sum_sq (epilogue: 1 / rms from the partials) and silu (gate and up rows, silu(gate) * up) ---
 
-NORM_SHAPES = [(256, 512), (130, 400)] if INTERPRET else [(6144, 4096), (24576, 4096),
-                                                           (6144 + 80, 4096 + 16)]
+# (producer N, producer K, consumer N, consumer K = producer N)
+FUSED_SHAPES = ([(256, 512, 384), (208, 400, 96)] if INTERPRET else
+                [(4096, 4096, 24576), (4096, 12288, 6144), (4096 + 16, 4096, 1000)])
 EPS = 1e-6
 
 
-def _norm_ref(x, r, nw, w, b, silu):
-    """float64 reference from the rounded stream: s = x + r (in the dtype), then
-    F.linear(rms_norm(s) * nw, w, b) (and silu(gate) * up)."""
-    s = x if r is None else (x.float() + r.float()).to(DTYPE)
-    sd = s.double()
-    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + EPS) * nw.double()
-    y = normed @ w.double().T + (0 if b is None else b.double())
-    if silu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y, s
+def _residual_case(n, k, n2, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    w1, b1 = _weights(n, k, seed=seed)
+    w2, b2 = _weights(n2, n, seed=seed + 1)
+    nw = (1 + 0.5 * torch.randn(n, generator=g)).to(DTYPE).to(DEV)
+    return w1, b1, w2, b2, nw, _x(m, k, seed=seed + 2), _x(m, n, seed=seed + 3)
 
 
-@pytest.mark.parametrize("n,k", NORM_SHAPES)
+@pytest.mark.parametrize("n,k,n2", FUSED_SHAPES)
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("res", [False, True])
-def test_norm_linear_matches_reference(sg, n, k, silu, res):
-    w, b = _weights(n, k, seed=n + k + 1)
-    g = torch.Generator().manual_seed(11)
-    nw = (1 + 0.5 * torch.randn(k, generator=g)).to(DTYPE).to(DEV)
+def test_residual_step_matches_reference(sg, n, k, n2, silu):
     for m in TOKENS:
-        x = _x(m, k, seed=100 + m)
-        r = _x(m, k, seed=200 + m) if res else None
-        for bias in (None, b):
-            assert sg.supports_norm(x, w, bias, nw, r, silu=silu)
-            n_out = n // 2 if silu else n
-            y, s = sg.skinny_norm_linear(x, w, bias, nw, EPS, r, silu=silu,
-                                         out=_poisoned(m, n_out))
-            ref, s_ref = _norm_ref(x, r, nw, w, bias, silu)
-            assert y.shape == (m, n_out) and torch.isfinite(y).all()
-            assert torch.equal(s, s_ref), "the stream is x + residual rounded once"
-            assert _rel(y, ref) < 1e-2, (m, _rel(y, ref))
+        w1, b1, w2, b2, nw, x, r = _residual_case(n, k, n2, m, seed=m)
+        assert sg.supports_residual(x, w1, b1, r, nw)
+        s, scaled, sum_sq = sg.skinny_linear_residual(x, w1, b1, r, nw)
+        # the stream and the scaled input, rounded as the reference rounds them
+        y = sg.skinny_linear(x, w1, b1)
+        assert torch.equal(s, (y.float() + r.float()).to(DTYPE))
+        assert torch.equal(scaled, (s.float() * nw.float()).to(DTYPE))
+        assert sum_sq.dtype == torch.float32 and sum_sq.shape[1] == 16
+        torch.testing.assert_close(sum_sq.sum(0)[:m], s.float().pow(2).sum(-1), rtol=1e-5,
+                                   atol=0)
+        assert not sum_sq[:, m:].any(), "token slots past M hold zeros"
+        out = sg.skinny_linear(scaled, w2, b2, sum_sq=sum_sq, eps=EPS, silu=silu,
+                               out=_poisoned(m, n2 // 2 if silu else n2))
+        sd = s.double()
+        ref = (sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + EPS) * nw.double()
+               @ w2.double().T + b2.double())
+        if silu:
+            gate, up = ref.chunk(2, dim=-1)
+            ref = F.silu(gate) * up
+        assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2, (m, _rel(out, ref))
 
 
 @pytest.mark.parametrize("silu", [False, True])
-def test_norm_linear_row_independent(sg, silu):
-    n, k = NORM_SHAPES[-1]
-    w, b = _weights(n, k, seed=3)
-    nw = _x(1, k, seed=4)[0]
-    x16, r16 = _x(16, k, seed=5), _x(16, k, seed=6)
-    y16, s16 = sg.skinny_norm_linear(x16, w, b, nw, EPS, r16, silu=silu)
-    again, _ = sg.skinny_norm_linear(x16, w, b, nw, EPS, r16, silu=silu)
-    assert torch.equal(y16, again)
+def test_silu_without_norm(sg, silu):
+    n, k = (384, 256) if INTERPRET else (24576, 4096)
+    w, b = _weights(n, k, seed=12)
+    for m in (1, 5, 16):
+        x = _x(m, k, seed=m)
+        y = sg.skinny_linear(x, w, b, silu=silu)
+        ref = x.double() @ w.double().T + b.double()
+        if silu:
+            gate, up = ref.chunk(2, dim=-1)
+            ref = F.silu(gate) * up
+        assert _rel(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_residual_step_row_independent(sg, silu):
+    n, k, n2 = FUSED_SHAPES[-1]
+    w1, b1, w2, b2, nw, x16, r16 = _residual_case(n, k, n2, 16, seed=30)
+
+    def run(x, r):
+        s, scaled, sum_sq = sg.skinny_linear_residual(x, w1, b1, r, nw)
+        return s, sg.skinny_linear(scaled, w2, b2, sum_sq=sum_sq, eps=EPS, silu=silu)
+
+    s16, y16 = run(x16, r16)
+    again = run(x16, r16)
+    assert torch.equal(s16, again[0]) and torch.equal(y16, again[1])
     for m in (1, 3, 8):
-        y, s = sg.skinny_norm_linear(x16[:m].clone(), w, b, nw, EPS, r16[:m].clone(),
-                                     silu=silu)
-        assert torch.equal(y, y16[:m]) and torch.equal(s, s16[:m])
+        s, y = run(x16[:m].clone(), r16[:m].clone())
+        assert torch.equal(s, s16[:m]) and torch.equal(y, y16[:m])
 
 
-def test_norm_linear_in_graph(sg):
+def test_residual_step_in_graph(sg):
     if INTERPRET:
         pytest.skip("CUDA graphs need CUDA")
-    n, k = 24576, 4096
-    w, _ = _weights(n, k, seed=7)
-    nw = _x(1, k, seed=8)[0]
-    x, r = _x(4, k, seed=9), _x(4, k, seed=10)
+    w1, b1, w2, b2, nw, x, r = _residual_case(4096, 12288, 24576, 4, seed=40)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, s = sg.skinny_norm_linear(x, w, None, nw, EPS, r, silu=True, pdl=True)
-    x.copy_(_x(4, k, seed=11))
+        s, scaled, sum_sq = sg.skinny_linear_residual(x, w1, None, r, nw, pdl=True)
+        y = sg.skinny_linear(scaled, w2, None, sum_sq=sum_sq, eps=EPS, silu=True, pdl=True)
+    x.copy_(_x(4, 12288, seed=41))
     graph.replay()
     torch.cuda.synchronize()
-    y_eager, s_eager = sg.skinny_norm_linear(x, w, None, nw, EPS, r, silu=True)
-    assert torch.equal(y, y_eager) and torch.equal(s, s_eager)
+    s2, scaled2, sum_sq2 = sg.skinny_linear_residual(x, w1, None, r, nw)
+    assert torch.equal(s, s2)
+    assert torch.equal(y, sg.skinny_linear(scaled2, w2, None, sum_sq=sum_sq2, eps=EPS,
+                                           silu=True))
