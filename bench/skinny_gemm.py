@@ -143,7 +143,11 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="comma list of shape names (default all)")
     ap.add_argument("--max-configs", type=int, default=0, help="cap candidates per shape")
     ap.add_argument("--fused", action="store_true",
-                    help="time skinny_norm_linear's fused variants against the plain kernel")
+                    help="time the fused epilogues (residual step, SiLU) against the plain "
+                         "kernel")
+    ap.add_argument("--silu-configs", default="",
+                    help="with --fused: ';'-separated 'block_n,block_k,warps,stages' (per "
+                         "half) to time SiLU-and-mul in the gate/up epilogue with")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/skinny_gemm.py needs a CUDA GPU", file=sys.stderr)
@@ -322,8 +326,21 @@ def fused_main(args) -> int:
                 for label, pdl in (("1/rms + silu", False), ("1/rms + silu, pdl", True)):
                     cases[label] = (lambda w, x=x, ss=sum_sq, pdl=pdl: sg.skinny_linear(
                         x, w, sum_sq=ss, eps=1e-6, silu=True, pdl=pdl), F.silu(gate_n) * up_n)
+                for spec in filter(None, args.silu_configs.split(";")):
+                    bn, bk, warps, stages = (int(v) for v in spec.split(","))
+                    cfg = sg.SkinnyConfig(bn, bk, 1, warps, stages)
+                    label = f"silu {cfg.label()}"
+                    if label not in FUSED_VARIANTS:
+                        FUSED_VARIANTS.append(label)
+                    cases[label] = (lambda w, x=x, cfg=cfg: sg.skinny_linear(
+                        x, w, silu=True, config=cfg), F.silu(gate) * up)
             for label, (call, ref) in cases.items():
-                err = rel_err(call(ws[0]), ref)
+                try:
+                    err = rel_err(call(ws[0]), ref)
+                except Exception as e:  # noqa: BLE001 (out of resources)
+                    print(f"  {name} M={m} {label}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:100]}", flush=True)
+                    continue
                 failures += not err < 1e-2
                 us = graph_us(call, ws, max(20, copies * -(-20 // copies)))
                 rows.append(dict(shape=name, n=n, k=k, m=m, variant=label, us=us,
