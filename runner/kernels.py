@@ -101,6 +101,9 @@ class TritonOps(FlashInferOps):
 
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
+        # The residual steps in the skinny GEMMs' epilogues (``linear_residual``);
+        # ``DLLM_FUSE_RESIDUAL=0`` keeps them as separate add + RMSNorm kernels (A/B runs).
+        self.fuse_residual = os.environ.get("DLLM_FUSE_RESIDUAL", "1") != "0"
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         weight, bias = layer.weight, getattr(layer, "bias", None)
@@ -129,7 +132,7 @@ class TritonOps(FlashInferOps):
 
     def linear_residual(self, x, layer, residual, next_weight, eps):
         w, b = layer.weight, getattr(layer, "bias", None)
-        if (isinstance(residual, torch.Tensor)
+        if (self.fuse_residual and isinstance(residual, torch.Tensor)
                 and self._gemm.supports_residual(x, w, b, residual, next_weight)):
             s, scaled, sum_sq = self._gemm.skinny_linear_residual(x, w, b, residual,
                                                                    next_weight, pdl=self.pdl)

@@ -107,9 +107,13 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 
 # (2N, K) of a fused [gate; up] weight -> the configuration of ``skinny_linear(silu=True)``,
 # BLOCK_N counting the rows of each half. Where none is listed, ``silu_fused`` is False: the
-# two-accumulator kernel at the halved table tile (32 + 32 rows) measured 57.9 µs against
-# 49.5 + ~4 for the plain kernel and a separate SiLU kernel (skinny-fused-20261130-011641).
-SILU_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {}
+# two-accumulator kernel at the halved table tile (32 + 32 rows, mma.sync) measured 57.9 µs
+# against 49.5 + ~4 for the plain kernel and a separate SiLU kernel
+# (skinny-fused-20261130-011641); 64 + 64 rows (wgmma) runs at the plain kernel's speed.
+SILU_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    # gate_up of the 8B shapes: 50.3 µs against 49.4 plain (skinny-fused-20261130-012342)
+    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 3),
+}
 
 
 def silu_fused(rows: int, k: int) -> bool:
