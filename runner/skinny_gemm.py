@@ -52,6 +52,10 @@ the next norm's weight and writes each program's partial sums of ``s²``; the pr
 order and scales its float32 accumulator by ``1 / rms(s)`` at the end; with ``silu`` it
 streams its gate rows and the matching up rows and writes ``silu(gate) * up``. At batch 1 that
 removes three of a layer's ten launches (two add + RMSNorm kernels and the SiLU kernel).
+Measured per call on the 8B shapes at 1-4 tokens (``skinny-fused-20261130-012342``): the
+producer epilogue costs 0.7-1.3 µs over the plain kernel, the consumer's 0.4-1.2 µs, SiLU at
+64 + 64 rows 0.9 µs (at 32 + 32 rows, mma.sync instead of wgmma, 8.5 µs); in the SDAR-8B batch-1
+step, 5.05 → 4.68 ms together with the one-launch ``position_uniform``.
 
 Work in the K loop is what must not be added: a first version normalised x tile by tile
 inside the loop (the sum of squares, the norm weight, the residual add) and took qkv from 15.5
