@@ -114,6 +114,38 @@ def test_rms_norm_and_mlp() -> None:
     assert torch.equal(mlp(x), want)
 
 
+def test_residual_steps_of_the_reference_ops() -> None:
+    """The decoder's residual steps through the reference layer ops: the MLP with its norms
+    along (``forward_normed``) equals norm, MLP and add done one by one; the reference output
+    projection leaves the add to the next norm; a ``PreNormed`` (what a fused implementation
+    hands on) is normalised from its stream."""
+    from dllm.models.ops import TORCH_OPS, PreNormed
+
+    torch.manual_seed(0)
+    norm, nxt = RMSNorm(8, eps=1e-6), RMSNorm(8, eps=1e-6)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    mlp = SwiGLUMLP(8, 16)
+    x, res = torch.randn(3, 8), torch.randn(3, 8)
+    stream = res + x
+    want = mlp(norm(stream))
+    unfused = mlp.forward_normed(x, res, norm)
+    mlp.fuse()
+    fused = mlp.forward_normed(x, res, norm)
+    for out, s in (unfused, fused):
+        assert torch.allclose(out, want, atol=1e-6) and torch.equal(s, stream)
+    out, s = mlp.forward_normed(x, res, norm, next_norm=nxt)  # the pair the next norm takes
+    assert torch.equal(s, stream) and torch.allclose(out, want, atol=1e-6)
+    first = mlp.forward_normed(x, None, norm)  # the first layer: the stream is x
+    assert torch.equal(first[1], x) and torch.allclose(first[0], mlp(norm(x)), atol=1e-6)
+    pre = PreNormed(stream, torch.full_like(stream, float("nan")),
+                    torch.full((4, 16), float("nan")), norm.weight)
+    h, s = TORCH_OPS.pre_norm(pre, None, norm.weight, norm.eps)
+    assert torch.equal(h, norm(stream)) and s is stream
+    proj = torch.nn.Linear(8, 5)
+    y, s = TORCH_OPS.norm_linear(pre, None, nxt.weight, nxt.eps, proj)
+    assert torch.equal(y, proj(nxt(stream))) and s is stream
+
+
 # ---------------------------------------------------------------------------------------------
 # Routers and MoE
 # ---------------------------------------------------------------------------------------------
