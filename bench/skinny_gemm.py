@@ -146,8 +146,9 @@ def main() -> int:
                     help="time the fused epilogues (residual step, SiLU) against the plain "
                          "kernel")
     ap.add_argument("--silu-configs", default="",
-                    help="with --fused: ';'-separated 'block_n,block_k,warps,stages' (per "
-                         "half) to time SiLU-and-mul in the gate/up epilogue with")
+                    help="with --fused: '/'-separated 'block_n,block_k,warps,stages' (per "
+                         "half) to time SiLU-and-mul in the gate/up epilogue with ('/', not ';': "
+                         "gpu_session.sh splits MICRO on ';')")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/skinny_gemm.py needs a CUDA GPU", file=sys.stderr)
@@ -326,7 +327,7 @@ def fused_main(args) -> int:
                 for label, pdl in (("1/rms + silu", False), ("1/rms + silu, pdl", True)):
                     cases[label] = (lambda w, x=x, ss=sum_sq, pdl=pdl: sg.skinny_linear(
                         x, w, sum_sq=ss, eps=1e-6, silu=True, pdl=pdl), F.silu(gate_n) * up_n)
-                for spec in filter(None, args.silu_configs.split(";")):
+                for spec in filter(None, args.silu_configs.split("/")):
                     bn, bk, warps, stages = (int(v) for v in spec.split(","))
                     cfg = sg.SkinnyConfig(bn, bk, 1, warps, stages)
                     label = f"silu {cfg.label()}"
