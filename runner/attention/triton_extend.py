@@ -101,6 +101,16 @@ def default_config(m: int, head_dim: int) -> dict:
 if triton is not None:
 
     @triton.jit
+    def _load_kv(k_base, v_base, slots, valid, stride_ks, stride_vs, offs_d):
+        """K and V ``[len(slots), D]`` of one KV head at cache ``slots`` (zeros where not
+        ``valid``)."""
+        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        return k, v
+
+    @triton.jit
     def _paged_block_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
         acc_ws_ptr, ml_ws_ptr,
@@ -166,10 +176,8 @@ if triton is not None:
         # (two chunks in flight without shared-memory stages).
         slots_next = tl.load(table + offs_n, mask=offs_n < n_keys, other=0)
         if PREFETCH == 2:
-            k_next = tl.load(k_base + slots_next[:, None] * stride_ks + offs_d[None, :],
-                             mask=(offs_n < n_keys)[:, None], other=0.0)
-            v_next = tl.load(v_base + slots_next[:, None] * stride_vs + offs_d[None, :],
-                             mask=(offs_n < n_keys)[:, None], other=0.0)
+            k_next, v_next = _load_kv(k_base, v_base, slots_next, offs_n < n_keys, stride_ks,
+                                      stride_vs, offs_d)
             slots_next = tl.load(table + STEP + offs_n, mask=STEP + offs_n < n_keys,
                                  other=0)
         for start in range(0, STATIC_KEYS if STATIC_KEYS > 0 else n_keys, STEP):
@@ -179,10 +187,8 @@ if triton is not None:
                 k = k_next
                 v = v_next
                 nxt = cols + STEP
-                k_next = tl.load(k_base + slots_next[:, None] * stride_ks + offs_d[None, :],
-                                 mask=(nxt < n_keys)[:, None], other=0.0)
-                v_next = tl.load(v_base + slots_next[:, None] * stride_vs + offs_d[None, :],
-                                 mask=(nxt < n_keys)[:, None], other=0.0)
+                k_next, v_next = _load_kv(k_base, v_base, slots_next, nxt < n_keys,
+                                          stride_ks, stride_vs, offs_d)
                 slots_next = tl.load(table + nxt + STEP, mask=nxt + STEP < n_keys,
                                      other=0)
             else:
@@ -192,10 +198,7 @@ if triton is not None:
                                          other=0)
                 else:
                     slots = tl.load(table + cols, mask=n_valid, other=0)
-                k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :],
-                            mask=n_valid[:, None], other=0.0)
-                v = tl.load(v_base + slots[:, None] * stride_vs + offs_d[None, :],
-                            mask=n_valid[:, None], other=0.0)
+                k, v = _load_kv(k_base, v_base, slots, n_valid, stride_ks, stride_vs, offs_d)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(n_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
