@@ -121,13 +121,10 @@ class TritonOps(FlashInferOps):
     def norm_gate_up(self, x, residual, weight, eps, gate_up):
         w, b = gate_up.weight, getattr(gate_up, "bias", None)
         if self._takes(x, weight, w, b) and w.shape[0] % 2 == 0:
-            if self._gemm.silu_fused(*w.shape):
-                act = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps,
-                                               silu=True, pdl=self.pdl)
-            else:
-                act = self.silu_and_mul(self._gemm.skinny_linear(
-                    x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, pdl=self.pdl))
-            return act, x.stream
+            fused = self._gemm.silu_fused(*w.shape)  # else a separate SiLU kernel is faster
+            y = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, silu=fused,
+                                         pdl=self.pdl)
+            return (y if fused else self.silu_and_mul(y)), x.stream
         return super().norm_gate_up(x, residual, weight, eps, gate_up)
 
     def linear_residual(self, x, layer, residual, next_weight, eps):
