@@ -67,7 +67,7 @@ def test_position_uniform_takes_the_kernel_on_cuda():
     seed = torch.tensor([3, 2**40], device="cuda")
     step = torch.tensor([9, 10], device="cuda")
     positions = torch.arange(8, device="cuda").view(2, 4)
-    assert rng._kernel_module() is not None
+    assert rng.kernel_module("rng_kernel") is not None
     got = rng.position_uniform(seed, step, positions, Stream.ORDER)
     assert torch.equal(got, _reference(seed.cpu(), step.cpu(), positions.cpu(),
                                        Stream.ORDER).cuda())

@@ -36,7 +36,6 @@ it agrees with the reference to float32 rounding and is still independent of the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -48,6 +47,7 @@ from dllm.algorithms.rng import (
     Stream,
     counter_key,
     gumbel_from_uniform,
+    kernel_module,
     unit_float32,
     unit_float64,
     vocab_bits,
@@ -128,20 +128,10 @@ def sample_tokens(
     return SampleOutput(x0, logprobs.gather(-1, x0[..., None]).squeeze(-1), logprobs)
 
 
-@functools.cache
-def _greedy_module():
-    """:mod:`dllm.algorithms.greedy_kernel`, or None where Triton is missing."""
-    try:
-        from dllm.algorithms import greedy_kernel
-    except ImportError:
-        return None
-    return greedy_kernel
-
-
 def _greedy_kernel(logits: Tensor) -> Callable | None:
     """The one-pass greedy draw for CUDA logits when Triton is installed; None elsewhere
     (the reference path below)."""
-    kernel = _greedy_module() if logits.is_cuda else None
+    kernel = kernel_module("greedy_kernel") if logits.is_cuda else None
     return kernel.greedy_log_confidence if kernel and kernel.supports(logits) else None
 
 
