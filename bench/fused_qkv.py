@@ -16,11 +16,10 @@ iterations launched from Python (CPU launch cost included). Prints a table and w
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 
 import torch
-from report import write_report
+from report import environment, require_cuda, write_report
 
 H, HKV, D, THETA, EPS, LAYERS, MAX_POS = 32, 8, 128, 1e6, 1e-6, 36, 40960
 
@@ -59,21 +58,6 @@ def time_layer_us(layer, iters: int, reps: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     replay = _events_ms(graph.replay, reps) * 1e3 / iters
     return replay, eager
-
-
-def environment() -> dict:
-    import triton
-
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version()}
-    try:
-        import flashinfer
-
-        env["flashinfer"] = flashinfer.__version__
-    except ImportError:
-        env["flashinfer"] = None
-    return env
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -158,8 +142,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="replays timed (median taken)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/fused_qkv.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda(__file__):
         return 2
     from dllm.models.config import ModelConfig
     from dllm.models.layers import RopeSpec, RotaryEmbedding

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline import environment, measure_ceilings  # noqa: E402
-from report import write_report
+from offline import measure_ceilings  # noqa: E402
+from report import environment, require_cuda, write_report
 
 # (name, K, N) of the 8B shape (hidden 4096, intermediate 12288, 32/8 heads of 128).
 SHAPES = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 24576),
@@ -44,8 +44,7 @@ def main() -> int:
     ap.add_argument("--libraries", default="cublas,cublaslt")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/gemm_shapes.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda(__file__):
         return 2
     ceilings = measure_ceilings()
     bw, rate = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]

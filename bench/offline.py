@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from report import stamp, write_report
+from report import copy_bandwidth, environment, require_cuda, stamp, write_report
 
 # Real configs' shapes (config.json keys), the tokenizer comes from the factory.
 SHAPES = {
@@ -53,14 +51,12 @@ SHAPES = {
 
 def measure_ceilings() -> dict[str, float]:
     """HBM bandwidth (bytes read + written by a copy) and the bf16 matmul rate."""
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    bw = _time(lambda: dst.copy_(src), 20)
+    bw = copy_bandwidth()
     lhs = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rhs = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm = _time(lambda: lhs @ rhs, 10)
     torch.cuda.empty_cache()
-    return {"hbm_bytes_per_s": 2 * 2 * 2**30 / bw, "bf16_flops_per_s": 2 * 8192**3 / mm}
+    return {"hbm_bytes_per_s": bw, "bf16_flops_per_s": 2 * 8192**3 / mm}
 
 
 def _time(fn, iters: int) -> float:
@@ -198,24 +194,6 @@ def _replay_ms(engine) -> float:
     return start.elapsed_time(end) / 20
 
 
-def environment() -> dict:
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "python": platform.python_version()}
-    try:
-        import flashinfer
-
-        env["flashinfer"] = flashinfer.__version__
-    except ImportError:
-        env["flashinfer"] = None
-    try:
-        env["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        env["driver"] = None
-    return env
-
-
 def table(rows: list[dict]) -> str:
     head = ("| model | batch | runner | attention | step ms | step ms, no overlap | "
             "graph replay ms | out tok/s | "
@@ -241,8 +219,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/offline.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda(__file__):
         return 2
     ceilings = measure_ceilings()
     env = {**environment(), **ceilings}

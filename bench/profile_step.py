@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline import SHAPES, checkpoint_dir, warm_engine  # noqa: E402
+from report import require_cuda  # noqa: E402
 
 
 def time_phases(engine, steps: int) -> tuple[float, dict[str, float]]:
@@ -112,8 +113,7 @@ def main() -> int:
                     help="read each step's result before queueing the next")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/profile_step.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda(__file__):
         return 2
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,11 +1,66 @@
-"""Where every benchmark script leaves its results: ``<out>/<name>-<stamp>.md`` (what it
-printed) and ``<out>/<name>-<stamp>.json`` (the numbers and the environment)."""
+"""What every benchmark script shares: where it leaves its results (``<out>/<name>-<stamp>.md``,
+what it printed, and ``<out>/<name>-<stamp>.json``, the numbers and the environment), the
+environment it reports, the copy-bandwidth ceiling and the check for a GPU."""
 
 from __future__ import annotations
 
 import json
+import platform
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import torch
+
+
+def require_cuda(script: str) -> bool:
+    """True on a CUDA machine; else says that ``script`` needs one (the caller exits 2)."""
+    if torch.cuda.is_available():
+        return True
+    print(f"bench/{Path(script).name} needs a CUDA GPU", file=sys.stderr)
+    return False
+
+
+def environment() -> dict:
+    """GPU, SM count, driver, CUDA, torch, Python, and the Triton and FlashInfer versions
+    (None where not installed)."""
+    env = {"gpu": torch.cuda.get_device_name(),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version()}
+    for name in ("triton", "flashinfer"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    try:
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        env["driver"] = None
+    return env
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median of 10)."""
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2**31 / statistics.median(times)
 
 
 def stamp() -> str:

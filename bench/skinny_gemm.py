@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import write_report
+from report import copy_bandwidth, environment, require_cuda, write_report
 
 try:
     from dllm.runner import skinny_gemm as sg
@@ -46,32 +45,6 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),
 LM_HEAD = ("lm_head", 151936, 4096)
 ROTATE_BYTES = 400 * 2**20
 SMEM_LIMIT = 200 * 1024  # bytes of shared memory a candidate's pipeline may use (H200: 227 KB)
-
-
-def environment() -> dict:
-    import triton
-
-    return {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0)
-            .multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version()}
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    return 2 * 2**30 / statistics.median(times)
 
 
 def graph_us(call, weights: list[torch.Tensor], n_calls: int, replays: int = 15) -> float:
@@ -150,8 +123,7 @@ def main() -> int:
                          "half) to time SiLU-and-mul in the gate/up epilogue with ('/', not ';': "
                          "gpu_session.sh splits MICRO on ';')")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/skinny_gemm.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda(__file__):
         return 2
     if args.fused:
         return fused_main(args)

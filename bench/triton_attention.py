@@ -21,7 +21,7 @@ import json
 import sys
 
 import torch
-from report import stamp, write_report
+from report import copy_bandwidth, environment, require_cuda, stamp, write_report
 
 from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
 
@@ -33,31 +33,6 @@ SWEEP = [dict(BLOCK_N=n, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
          for f in (False, True)]
 SWEEP += [dict(BLOCK_N=128, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
           for w in (4, 8) for s in (2, 3) for p in (0, 1) for f in (False, True)]
-
-
-def environment() -> dict:
-    import triton
-
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__,
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    try:
-        import flashinfer
-
-        env["flashinfer"] = flashinfer.__version__
-    except ImportError:
-        env["flashinfer"] = None
-    return env
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device copy."""
-    import triton
-
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * 2**31 / (ms * 1e-3)
 
 
 def build(rows: int, keys: int, jitter: float, h: int, hkv: int, d: int, block: int,
@@ -179,8 +154,7 @@ def main() -> int:
     ap.add_argument("--sweep-rows", default="32,128", help="row counts the sweep runs at")
     ap.add_argument("--no-flashinfer", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/triton_attention.py needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda(__file__):
         return 2
     import triton
 
