@@ -42,6 +42,13 @@ WORKSPACE_BYTES = 256 * 2**20
 MAX_KV_SPLITS = 4
 
 
+def _whole_blocks(fb: ForwardBatch) -> bool:
+    """A ``DLLM_EXTEND`` batch whose every row is one whole block (the forms that treat a
+    row as ``block_size`` queries over its keys)."""
+    return (fb.mode is ForwardMode.DLLM_EXTEND
+            and all(n == fb.block_size for n in fb.extend_lens_cpu))
+
+
 def block_causal_mask(fb: ForwardBatch) -> torch.Tensor:
     """Flattened ``sum(q_len * kv_len)`` bool mask, row-major per request."""
     device = fb.input_ids.device
@@ -135,8 +142,7 @@ class FlashInferBackend(AttentionBackend):
         """Plan the batch (or reuse the last plan, for the same layout); returns the wrapper
         whose ``run`` every layer calls, and the query tokens it packs per row (``None``
         and the block size: the Triton kernel, which needs no plan)."""
-        if (self.triton_extend is not None and fb.mode is ForwardMode.DLLM_EXTEND
-                and all(n == fb.block_size for n in fb.extend_lens_cpu)
+        if (self.triton_extend is not None and _whole_blocks(fb)
                 and self.triton_extend.supports(dtype, fb.kv_pool.dtype, layer.num_heads,
                                                 layer.num_kv_heads, layer.head_dim,
                                                 self.device)):
@@ -164,9 +170,7 @@ class FlashInferBackend(AttentionBackend):
         common = dict(num_kv_heads=layer.num_kv_heads, page_size=self.page_size,
                       q_data_type=dtype, kv_data_type=fb.kv_pool.dtype, sm_scale=layer.scaling)
         rows = len(fb.seq_lens_cpu)
-        packed = (fb.mode is ForwardMode.DLLM_EXTEND
-                  and rows * layer.num_kv_heads >= self.num_sms
-                  and all(n == fb.block_size for n in fb.extend_lens_cpu))
+        packed = rows * layer.num_kv_heads >= self.num_sms and _whole_blocks(fb)
         if fb.mode is ForwardMode.DECODE or packed:
             block = fb.block_size if packed else 1
             self.decode.plan(table.kv_indptr, table.kv_indices, table.kv_last_page_len,
