@@ -172,7 +172,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
                    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                    SS_PARTS: tl.constexpr, SS_BLOCK: tl.constexpr, SILU: tl.constexpr,
-                   RESIDUAL: tl.constexpr):
+                   RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
+                   W_EVICT: tl.constexpr = ""):
     # SS_PARTS > 0 (consumer of a fused residual step): x is s * norm_weight, rounded, and
     # ss_in holds [SS_PARTS, BLOCK_M] float32 partial sums of s^2; the accumulator is scaled
     # by 1 / rms(s) before the bias.
@@ -188,15 +189,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
     rn_ld = rn % N  # tail columns re-read a valid row; their results are not stored
     rk = tl.arange(0, BLOCK_K)
     k0 = pid_k * (K_TILES * BLOCK_K)
-    if PREFETCH_LINES > 0:
+    if PDL:
         # Programmatic dependent launch: this grid may start while the kernel that writes x
         # is still running. The weights do not depend on it, so pull the first
         # PREFETCH_LINES 128-byte lines of each of this program's rows into L2 now, let the
         # next kernel launch too, and wait for x's producer only before reading x.
-        lines = k0 + tl.arange(0, PREFETCH_LINES) * 64  # within the row: at most its length
-        pf = w_ptr + rn_ld[:, None] * stride_wn + lines[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        if PREFETCH_LINES > 0:
+            lines = k0 + tl.arange(0, PREFETCH_LINES) * 64  # within the row: at most its length
+            pf = w_ptr + rn_ld[:, None] * stride_wn + lines[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         gdc_launch_dependents()
         gdc_wait()
     w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]
@@ -209,15 +211,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
     acc_up = tl.zeros_like(acc)
     for kt in range(K_TILES):
         if EVEN_K:
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
             if SILU:
-                w_up = tl.load(w_ptrs + N * stride_wn)
+                w_up = tl.load(w_ptrs + N * stride_wn, eviction_policy=W_EVICT)
             xm = m_mask
         else:
             k_ok = (k0 + kt * BLOCK_K + rk) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy=W_EVICT)
             if SILU:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[None, :], other=0.0)
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[None, :], other=0.0,
+                               eviction_policy=W_EVICT)
             xm = m_mask & k_ok[None, :]
         x = tl.load(x_ptrs, mask=xm, other=0.0)
         if SWAP_AB:
@@ -285,8 +288,11 @@ def _reduce_kernel(p_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_om, HAS_BIAS: 
 
 _REDUCE_BLOCK = 1024
 # Bytes of a weight matrix prefetched into L2 under ``pdl``: well inside the H200's 50 MB L2,
-# so the lines are still there when the main loop reads them.
+# so the lines are still there when the main loop reads them (0: PDL without the prefetch).
 PREFETCH_BYTES = 16 * 2**20
+# The weights' L2 eviction policy ("", "evict_first", "evict_last"): each weight is read once
+# a step, so "evict_first" keeps the activations, the KV cache and the prefetched lines in L2.
+W_EVICT = os.environ.get("DLLM_SKINNY_EVICT", "")
 
 
 def _prefetch_lines(n: int, k: int) -> int:
@@ -397,7 +403,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     n = weight.shape[0] if n is None else n
     split = cfg.split_k
     k_tiles = triton.cdiv(triton.cdiv(k, split), cfg.block_k)  # per split
-    lines = _prefetch_lines(weight.shape[0], k) if pdl and not partial and not _INTERPRET else 0
+    pdl = pdl and not partial and not _INTERPRET
+    lines = _prefetch_lines(weight.shape[0], k) if pdl else 0
     r, nw, s, ss_out = residual if residual is not None else (out,) * 4  # never read then
     parts = 0
     if sum_sq is not None:
@@ -411,4 +418,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         EVEN_K=k_tiles * cfg.block_k * split == k, SWAP_AB=cfg.swap_ab, BLOCK_M=MAX_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_LINES=lines, SS_PARTS=parts,
         SS_BLOCK=triton.next_power_of_2(parts), SILU=silu, RESIDUAL=residual is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=lines > 0)
+        PDL=pdl, W_EVICT=W_EVICT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl)

@@ -56,13 +56,15 @@ CASES = {  # mode, prefix lens, extend lens, seq lens, mask, block size
 }
 
 
-@pytest.mark.parametrize("case", [*sorted(CASES), "dllm_extend_packed", "dllm_extend_triton"])
+@pytest.mark.parametrize("case", [*sorted(CASES), "dllm_extend_packed", "dllm_extend_triton",
+                                  "decode_triton"])
 def test_flashinfer_equals_sdpa(case):
     from dllm.runner.attention.flashinfer import FlashInferBackend
 
-    # ``dllm_extend`` runs the Triton kernel where Triton is installed; the FlashInfer forms
-    # are forced by hiding it. ``dllm_extend_packed``: the decode form a batch that fills the
-    # GPU takes (rows × KV heads >= SMs), forced here on three rows by counting one SM.
+    # ``dllm_extend`` and ``decode`` run the Triton kernel where Triton is installed; the
+    # FlashInfer forms are forced by hiding it. ``dllm_extend_packed``: the decode form a
+    # batch that fills the GPU takes (rows × KV heads >= SMs), forced here on three rows by
+    # counting one SM.
     packed = case.endswith("_packed")
     use_triton = case.endswith("_triton")
     mode, prefix, ext, seq, mask, bsz = CASES[case.removesuffix("_packed").removesuffix(

@@ -363,3 +363,41 @@ def test_splits_for():
         s = splits_for(rows, 8)
         assert 1 <= s <= MAX_SPLITS
         assert s == MAX_SPLITS or rows * 8 * s >= 2 * 132
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4", "decode_b1_g4",
+                                  "b32_g8_two_m_tiles"])
+def test_triton_extend_folded_merge_equals_merge_launch(name, num_splits):
+    """The merge in the last split program (an atomic counter per row, KV head and chunk of
+    M) gives the bits of the separate merge launch, and leaves every counter at 0."""
+    from dllm.runner.attention import triton_extend as te
+
+    q, args = split_inputs(name, torch.bfloat16)
+    folded = te.dllm_extend_attention(q, *args, num_splits=num_splits, fold_merge=True)
+    launched = te.dllm_extend_attention(q, *args, num_splits=num_splits, fold_merge=False)
+    assert torch.equal(folded, launched)
+    assert int(te._COUNTERS[q.device].abs().sum()) == 0
+
+
+def test_triton_extend_folded_merge_graph_replays():
+    """Replayed again and again, the folded merge's counters go back to 0 every time: each
+    replay equals the eager launch on that replay's inputs."""
+    from dllm.runner.attention import triton_extend as te
+
+    q, args = split_inputs("sdar_b4_g4", torch.bfloat16)
+    static_out = torch.empty_like(q)
+    te.dllm_extend_attention(q, *args, out=static_out, num_splits=4)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        te.dllm_extend_attention(q, *args, out=static_out, num_splits=4)
+    g = torch.Generator(device=q.device).manual_seed(1)
+    for _ in range(3):
+        q.copy_(torch.randn(q.shape, generator=g, device=q.device))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, te.dllm_extend_attention(q, *args, num_splits=4,
+                                                                fold_merge=False))
+    assert int(te._COUNTERS[q.device].abs().sum()) == 0

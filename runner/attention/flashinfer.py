@@ -1,9 +1,10 @@
 """FlashInfer attention over the paged KV cache (DESIGN §8). GPU only; imported lazily.
 
 One plan per forward, reused by every layer:
-- ``DLLM_EXTEND`` where every row is one whole block and Triton is installed: no FlashInfer
-  plan, the project's Triton kernel (``dllm.runner.attention.triton_extend``: q and the output
-  in their natural layout, one program per row and KV head);
+- ``DLLM_EXTEND`` where every row is one whole block, and ``DECODE``, where Triton is
+  installed: no FlashInfer plan, the project's Triton kernel
+  (``dllm.runner.attention.triton_extend``: q and the output in their natural layout, one
+  program per row and KV head, keys split over several programs at small batch);
 - other ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
   prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``. A batch with
   enough rows to fill the GPU alone (rows × KV heads ≥ SMs) runs each row as one decode query
@@ -17,7 +18,7 @@ One plan per forward, reused by every layer:
   queries);
 - ``EXTEND`` with ``BLOCK_CAUSAL`` over several prompt blocks: a custom mask, built on the
   device from cache indices;
-- ``DECODE``: the batch-decode kernel.
+- ``DECODE`` without Triton: the batch-decode kernel.
 
 The page table comes from ``req_to_token`` on the device (slot ``s`` lies in page
 ``s // page_size``); only the ``indptr`` arrays, which the scheduler's host lists give, are
@@ -106,9 +107,10 @@ class FlashInferBackend(AttentionBackend):
             self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True)
-        # ``DLLM_EXTEND`` with every row a whole block runs the Triton kernel where Triton is
-        # installed (``triton_extend``: no plan, no head permutation, 1.6× faster than the
-        # packed form below at 128 rows of SDAR-8B and 1.9× than the paged prefill at one).
+        # ``DLLM_EXTEND`` with every row a whole block, and ``DECODE``, run the Triton kernel
+        # where Triton is installed (``triton_extend``: no plan, no head permutation; 1.6×
+        # faster than the packed form below at 128 rows of SDAR-8B and 1.9× than the paged
+        # prefill at one).
         self.triton_extend = None
         if triton_available():
             from dllm.runner.attention import triton_extend
@@ -142,11 +144,12 @@ class FlashInferBackend(AttentionBackend):
         """Plan the batch (or reuse the last plan, for the same layout); returns the wrapper
         whose ``run`` every layer calls, and the query tokens it packs per row (``None``
         and the block size: the Triton kernel, which needs no plan)."""
-        if (self.triton_extend is not None and _whole_blocks(fb)
+        triton_rows = fb.mode is ForwardMode.DECODE or _whole_blocks(fb)
+        if (self.triton_extend is not None and triton_rows
                 and self.triton_extend.supports(dtype, fb.kv_pool.dtype, layer.num_heads,
                                                 layer.num_kv_heads, layer.head_dim,
                                                 self.device)):
-            return None, fb.block_size
+            return None, 1 if fb.mode is ForwardMode.DECODE else fb.block_size
         if fb.layout_key is not None and self._last is not None and self._last[0] == fb.layout_key:
             return self._last[1]
         self._last = None
@@ -203,7 +206,7 @@ class FlashInferBackend(AttentionBackend):
         shape = (-1, self.page_size, layer.num_kv_heads, layer.head_dim)
         cache = (k_buf.view(shape), v_buf.view(shape))
         wrapper, block = self._planned
-        if wrapper is None:  # the Triton kernel: rows of ``block`` tokens, natural layout
+        if wrapper is None:  # the Triton kernel: rows of ``block`` tokens (1: decode)
             rows = q.shape[0] // block
             # Few rows: each row's keys split over several programs (the count from the
             # number of rows alone, so a captured graph's grid holds for any lengths).

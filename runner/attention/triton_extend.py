@@ -39,10 +39,14 @@ count): at small batch rows × Hkv programs leave most SMs idle (batch 1 of SDAR
 programs, ~10 µs walking 4 chunks of 64 keys in series). The grid's last axis then also runs
 over S splits; split s walks the chunks s, s + S, s + 2S, ... of BLOCK_N keys (so the grid
 depends on S alone and covers any seq_len: CUDA-graph replays may be longer than the capture)
-and writes its un-normalised float32 acc with its running max and sum to a workspace; a
-second launch merges the S partials of each query row in the fixed order s = 0..S-1 and
-writes ``[T, H, D]`` in q's dtype. Splits without keys weigh zero; rows of seq_len 0 give
-zeros. Bits are deterministic and row-independent for a given S (not across S values).
+and writes its un-normalised float32 acc with its running max and sum to a workspace; the
+S partials of each query row are merged in the fixed order s = 0..S-1 and written as
+``[T, H, D]`` in q's dtype. The merge runs in the last of the S programs to finish (an atomic
+counter per (row, KV head, chunk of M), put back to 0 by the merging program, so a CUDA graph
+replays it as captured): a separate merge launch cost ~1.9 µs plus a ~0.45 µs gap per layer
+at batch 1 of SDAR-8B. ``fold_merge=False`` keeps that second launch (same bits). Splits
+without keys weigh zero; rows of seq_len 0 give zeros. Bits are deterministic and
+row-independent for a given S (not across S values).
 """
 
 from __future__ import annotations
@@ -111,16 +115,39 @@ if triton is not None:
         return k, v
 
     @triton.jit
+    def _merge_partials(acc_ws, ml_ws, offs_r, offs_d, BLOCK_M: tl.constexpr, D: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr, CACHE: tl.constexpr):
+        """The normalised output of query rows ``offs_r`` (of a BLOCK_M tile) from the
+        NUM_SPLITS partial states at ``acc_ws``/``ml_ws``, merged in the order s = 0..S-1."""
+        m_max = tl.full(offs_r.shape, -1.0e30, dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            m_max = tl.maximum(m_max, tl.load(ml_ws + s * (2 * BLOCK_M) + offs_r,
+                                              cache_modifier=CACHE))
+        l_sum = tl.zeros(offs_r.shape, dtype=tl.float32)
+        acc = tl.zeros([offs_r.shape[0], D], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            w = tl.math.exp2(tl.load(ml_ws + s * (2 * BLOCK_M) + offs_r, cache_modifier=CACHE)
+                             - m_max)
+            l_sum += tl.load(ml_ws + s * (2 * BLOCK_M) + BLOCK_M + offs_r,
+                             cache_modifier=CACHE) * w
+            part = tl.load(acc_ws + s * (BLOCK_M * D) + offs_r[:, None] * D + offs_d[None, :],
+                           cache_modifier=CACHE)
+            acc += part * w[:, None]
+        # Every split empty (seq_len == 0): m_max = -1e30, w = 1, l = 0, acc = 0 -> zeros.
+        l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
+        return acc / l_safe[:, None]
+
+    @triton.jit
     def _paged_block_attn_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
-        acc_ws_ptr, ml_ws_ptr,
+        acc_ws_ptr, ml_ws_ptr, count_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-        stride_ot, stride_oh, stride_rt, stride_ar, stride_ah, stride_mr, stride_mh,
+        stride_ot, stride_oh, stride_rt, stride_ar, stride_ah, stride_mr, stride_mh, stride_cr,
         qk_scale,
         B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         STATIC_KEYS: tl.constexpr, PREFETCH: tl.constexpr, KV_FIRST: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+        NUM_SPLITS: tl.constexpr, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         if PDL:  # launched early (programmatic dependent launch): wait for q's producer
             gdc_launch_dependents()
@@ -226,6 +253,26 @@ if triton is not None:
             ml_ws = ml_ws_ptr + row * stride_mr + kvh * stride_mh + slot * (2 * BLOCK_M)
             tl.store(ml_ws + offs_r, m_i)
             tl.store(ml_ws + BLOCK_M + offs_r, l_i)
+            if FOLD:
+                # The last of the S programs of this (row, KV head, chunk of M) to finish
+                # merges all S partials (CUTLASS's semaphore pattern: the CTA's stores, a
+                # barrier, one release/acquire atomic; the partials then read from L2), and
+                # puts the counter back to 0 for the next launch. The merge reads the
+                # workspace in the order s = 0..S-1 whichever program comes last: the bits of
+                # the separate merge kernel.
+                tl.debug_barrier()
+                MBLOCKS: tl.constexpr = (B * G + BLOCK_M - 1) // BLOCK_M
+                count = count_ptr + row * stride_cr + kvh * MBLOCKS + mblk
+                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                    first = mblk.to(tl.int64) * NUM_SPLITS
+                    out = _merge_partials(
+                        acc_ws_ptr + row * stride_ar + kvh * stride_ah + first * (BLOCK_M * D),
+                        ml_ws_ptr + row * stride_mr + kvh * stride_mh + first * (2 * BLOCK_M),
+                        offs_r, offs_d, BLOCK_M, D, NUM_SPLITS, ".cg")
+                    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
+                             + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                             mask=m_valid[:, None])
+                    tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _merge_splits_kernel(
@@ -254,19 +301,7 @@ if triton is not None:
         acc_ws = acc_ws_ptr + row * stride_ar + kvh * stride_ah + first * (BLOCK_M * D)
         ml_ws = ml_ws_ptr + row * stride_mr + kvh * stride_mh + first * (2 * BLOCK_M)
 
-        m_max = tl.full([MERGE_M], -1.0e30, dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            m_max = tl.maximum(m_max, tl.load(ml_ws + s * (2 * BLOCK_M) + offs_r))
-        l_sum = tl.zeros([MERGE_M], dtype=tl.float32)
-        acc = tl.zeros([MERGE_M, D], dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            w = tl.math.exp2(tl.load(ml_ws + s * (2 * BLOCK_M) + offs_r) - m_max)
-            l_sum += tl.load(ml_ws + s * (2 * BLOCK_M) + BLOCK_M + offs_r) * w
-            part = tl.load(acc_ws + s * (BLOCK_M * D) + offs_r[:, None] * D + offs_d[None, :])
-            acc += part * w[:, None]
-        # Every split empty (seq_len == 0): m_max = -1e30, w = 1, l = 0, acc = 0 -> zeros.
-        l_safe = tl.where(l_sum == 0.0, 1.0, l_sum)
-        out = acc / l_safe[:, None]
+        out = _merge_partials(acc_ws, ml_ws, offs_r, offs_d, BLOCK_M, D, NUM_SPLITS, "")
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
 
@@ -276,11 +311,30 @@ def _interpreted(q: torch.Tensor) -> bool:
     return q.device.type != "cuda" or bool(knobs and knobs.runtime.interpret)
 
 
+# Split counters of the folded merge, per device: int32, zero between launches (the merging
+# program puts its counter back). One buffer serves every launch on the device, so launches
+# that use it must not run concurrently (the runners issue one stream's work at a time). A
+# buffer outgrown is kept, not freed: a captured CUDA graph still points at it.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                           req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                           seq_lens: torch.Tensor, block_size: int, sm_scale: float,
                           out: torch.Tensor | None = None, config: dict | None = None,
-                          num_splits: int = 1, pdl: bool = False) -> torch.Tensor:
+                          num_splits: int = 1, pdl: bool = False,
+                          fold_merge: bool = True) -> torch.Tensor:
     """Attention of ``rows`` rows of ``block_size`` query tokens each over their paged keys.
 
     ``q`` ``[rows·B, H, D]`` (last dim contiguous; token t of row r at ``r·B + t``);
@@ -292,9 +346,11 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
 
     ``num_splits`` S > 1 splits every row's keys over S programs (split s takes the BLOCK_N
     chunks s, s + S, ...; any seq_len, the grid fixed), which write float32 partials to a
-    workspace that a second launch merges in the order s = 0..S-1: for small batches (see
-    :func:`splits_for`). Deterministic and row-independent for a given S; the bits differ
-    from another S. S = 1 is the single launch. ``pdl``: launch with programmatic dependent
+    workspace, merged in the order s = 0..S-1: for small batches (see :func:`splits_for`).
+    With ``fold_merge`` the last program of each (row, KV head) to finish merges, counted
+    with an atomic (one launch); without, a second launch merges. Both give the same bits.
+    Deterministic and row-independent for a given S; the bits differ from another S. S = 1
+    is the single launch. ``pdl``: launch with programmatic dependent
     launch (Hopper and newer; each kernel waits for its predecessor before reading)."""
     if triton is None:
         raise RuntimeError("dllm_extend_attention needs Triton")
@@ -325,8 +381,9 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
         cfg.update(config)
     block_m = cfg["BLOCK_M"]
     mblocks = triton.cdiv(m, block_m)
+    fold = fold_merge and num_splits > 1
     if num_splits == 1:  # the single launch: no workspace (unused pointer args: out)
-        acc_ws = ml_ws = out
+        acc_ws = ml_ws = counters = out
         ws_strides = (0, 0, 0, 0)
     else:  # partial acc [BLOCK_M, D] and (m, l) [2, BLOCK_M] per (row, KV head, mblk, split)
         slots = mblocks * num_splits
@@ -335,20 +392,21 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
         ml_ws = torch.empty((rows, hkv, slots, 2, block_m), dtype=torch.float32,
                             device=q.device)
         ws_strides = (acc_ws.stride(0), acc_ws.stride(1), ml_ws.stride(0), ml_ws.stride(1))
+        counters = _counters(q.device, rows * hkv * mblocks) if fold else out
     axis2 = mblocks * num_splits
     grid = (hkv, rows, axis2) if cfg["KV_FIRST"] else (rows, hkv, axis2)
     _paged_block_attn_kernel[grid](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, acc_ws, ml_ws,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        counters, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), *ws_strides,
+        req_to_token.stride(0), *ws_strides, hkv * mblocks,
         sm_scale * LOG2E,
         B=block_size, G=g, D=d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         STATIC_KEYS=req_to_token.shape[1] if _interpreted(q) else 0,
-        PREFETCH=cfg["PREFETCH"], KV_FIRST=cfg["KV_FIRST"], NUM_SPLITS=num_splits,
+        PREFETCH=cfg["PREFETCH"], KV_FIRST=cfg["KV_FIRST"], NUM_SPLITS=num_splits, FOLD=fold,
         PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fold:
         merge_m = min(MERGE_M, block_m)
         _merge_splits_kernel[(rows, hkv, mblocks * (block_m // merge_m))](
             acc_ws, ml_ws, out, *ws_strides, out.stride(0), out.stride(1),
@@ -361,12 +419,14 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float,
-                     out: torch.Tensor | None = None, num_splits: int = 1) -> torch.Tensor:
+                     out: torch.Tensor | None = None, num_splits: int = 1, pdl: bool = False,
+                     fold_merge: bool = True) -> torch.Tensor:
     """``DECODE``: one query token per row (its key already in the cache at ``seq_len - 1``),
-    attending to keys ``[0, seq_len)``: the block kernel with B = 1 (``num_splits`` as
-    there)."""
+    attending to keys ``[0, seq_len)``: the block kernel with B = 1 (``num_splits``, ``pdl``
+    and ``fold_merge`` as there)."""
     return dllm_extend_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-                                 1, sm_scale, out, num_splits=num_splits)
+                                 1, sm_scale, out, num_splits=num_splits, pdl=pdl,
+                                 fold_merge=fold_merge)
 
 
 def reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
