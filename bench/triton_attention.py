@@ -26,7 +26,8 @@ from report import copy_bandwidth, environment, require_cuda, stamp, write_repor
 from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
 
 # name: (query heads, KV heads, head dim, block size)
-MODELS = {"sdar-8b": (32, 8, 128, 4), "llada2-mini": (16, 4, 128, 32)}
+MODELS = {"sdar-8b": (32, 8, 128, 4), "llada2-mini": (16, 4, 128, 32),
+          "qwen3-8b-decode": (32, 8, 128, 1)}
 PAGE = 16
 SWEEP = [dict(BLOCK_N=n, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
          for n in (32, 64) for w in (4, 8) for s in (1, 2, 3) for p in (0, 1, 2)
@@ -153,6 +154,9 @@ def main() -> int:
                     help="also time BLOCK_N × num_warps × num_stages × PREFETCH × KV_FIRST")
     ap.add_argument("--sweep-rows", default="32,128", help="row counts the sweep runs at")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--splits", default="",
+                    help="comma list of key-split counts to time the default config at (the "
+                         "merge folded into the last split program, and as a second launch)")
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
@@ -203,6 +207,19 @@ def main() -> int:
             t, extra = timed(lambda call=call, out=out: dllm_extend_attention(*call, out=out),
                              graph=True)
             record("triton (default)", t, out, dict(extra, config=cfg))
+            for n in (int(v) for v in filter(None, args.splits.split(","))):
+                for fold in (True, False):
+                    o = torch.full_like(b["q"], float("nan"))
+                    def fn(call=call, o=o, n=n, fold=fold):
+                        return dllm_extend_attention(*call, out=o, num_splits=n,
+                                                     fold_merge=fold)
+
+                    fn()
+                    t, extra = timed(fn, graph=True)
+                    record(f"triton, {n} splits{'' if fold else ', merge launch'}", t, o,
+                           dict(extra, config=cfg))
+                    if n == 1:
+                        break
             if args.sweep and str(rows) in args.sweep_rows.split(","):
                 best = None
                 for c in SWEEP:
