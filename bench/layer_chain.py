@@ -8,8 +8,10 @@ o_proj (+ residual, next norm), gate/up (1/rms, SiLU-and-mul in the epilogue) an
 
 Per variant: the chain's time per step, per layer, and against the bytes it reads at the copy
 ceiling measured in the same run. Variants: plain launches; the weights loaded with an L2
-``evict_first`` policy; programmatic dependent launch (PDL) with 0, 4 or 16 MB of each weight
-prefetched into L2 before the kernel waits for its input; PDL with ``evict_first``. Each
+``evict_first`` policy; programmatic dependent launch (PDL) with 0-16 MB of each weight
+prefetched into L2 before the kernel waits for its input, each program letting the next
+kernel launch at its start, once its input is ready, or after its main loop; with and
+without ``evict_first``. Each
 variant's output is compared with the plain chain's (the launch mode changes no arithmetic:
 the bits must be equal). Writes ``layer-chain-<stamp>.md`` / ``.json`` under ``--out``.
 """
@@ -26,12 +28,17 @@ from dllm.runner import skinny_gemm as sg
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144
 EPS = 1e-6
-# (label, pdl, prefetch bytes, weight eviction policy)
-VARIANTS = [("plain", False, 0, ""), ("evict_first", False, 0, "evict_first"),
-            ("pdl", True, 0, ""), ("pdl + 4 MB prefetch", True, 4 * 2**20, ""),
-            ("pdl + 16 MB prefetch", True, 16 * 2**20, ""),
-            ("pdl + evict_first", True, 0, "evict_first"),
-            ("pdl + 4 MB + evict_first", True, 4 * 2**20, "evict_first")]
+# (label, pdl, prefetch bytes, weight eviction policy, where a program lets the next kernel
+# launch: 0 at its start, 1 once its input is ready, 2 after its main loop)
+VARIANTS = [("plain", False, 0, "", 0), ("evict_first", False, 0, "evict_first", 0),
+            ("pdl, trigger at start", True, 0, "", 0),
+            ("pdl, trigger at start + 16 MB prefetch", True, 16 * 2**20, "", 0)]
+VARIANTS += [(f"pdl, trigger {where}{f' + {mb} MB prefetch' if mb else ''}", True,
+              mb * 2**20, "", trigger)
+             for trigger, where in ((1, "after wait"), (2, "after main loop"))
+             for mb in (0, 2, 8, 16)]
+VARIANTS += [("pdl, trigger after wait + 8 MB prefetch, evict_first", True, 8 * 2**20,
+              "evict_first", 1)]
 
 
 def build(layers: int, dt: torch.dtype) -> list[dict]:
@@ -105,23 +112,23 @@ def main() -> int:
     print(f"{env}\ncopy ceiling {bw / 1e12:.2f} TB/s; {args.layers} layers × "
           f"{per_layer / 1e6:.0f} MB: floor {floor_us:.0f} µs", flush=True)
     rows, ref, failures = [], None, 0
-    saved = (sg.PREFETCH_BYTES, sg.W_EVICT)
-    for label, pdl, prefetch, evict in VARIANTS:
-        sg.PREFETCH_BYTES, sg.W_EVICT = prefetch, evict
+    saved = (sg.PREFETCH_BYTES, sg.W_EVICT, sg.PDL_TRIGGER)
+    for label, pdl, prefetch, evict, trigger in VARIANTS:
+        sg.PREFETCH_BYTES, sg.W_EVICT, sg.PDL_TRIGGER = prefetch, evict, trigger
         try:
             us, out = time_graph(lambda pdl=pdl: chain(weights, x, pdl))
         except Exception as e:  # noqa: BLE001 (a variant the GPU or compiler refuses)
             print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
         finally:
-            sg.PREFETCH_BYTES, sg.W_EVICT = saved
+            sg.PREFETCH_BYTES, sg.W_EVICT, sg.PDL_TRIGGER = saved
         if ref is None:
             ref = out
         same = torch.equal(out, ref)
         failures += not same
         rows.append(dict(variant=label, us=us, per_layer_us=us / args.layers,
                          x_floor=us / floor_us, equal=same))
-        print(f"  {label:>26}: {us:8.0f} µs/step, {us / args.layers:6.1f} µs/layer, "
+        print(f"  {label:>52}: {us:8.0f} µs/step, {us / args.layers:6.1f} µs/layer, "
               f"{us / floor_us:.3f}× floor, bits {'equal' if same else 'DIFFER'}", flush=True)
     lines = [f"# Batch-{args.tokens} GEMM chain of an 8B step ({env['gpu']}, torch "
              f"{env['torch']}, triton {env['triton']})", "",

@@ -107,8 +107,8 @@ def _qk_norm_rope_kernel(
     head order. q heads → ``q[t]``; k heads → ``k[t]`` (``k[loc[t]]`` when ``STORE``); v heads
     (present only when ``STORE``) are copied to ``v[loc[t]]``."""
     if PDL:  # launched early (programmatic dependent launch): wait for qkv's producer
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()  # after the wait: launching earlier cascades down the stream
     t = tl.program_id(0).to(tl.int64)
     head0 = tl.program_id(1) * BLOCK_H
     src = qkv_ptr + t * qkv_stride_t + head0 * D

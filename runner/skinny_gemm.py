@@ -173,7 +173,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                    SS_PARTS: tl.constexpr, SS_BLOCK: tl.constexpr, SILU: tl.constexpr,
                    RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
-                   W_EVICT: tl.constexpr = ""):
+                   W_EVICT: tl.constexpr = "", TRIGGER: tl.constexpr = 0):
     # SS_PARTS > 0 (consumer of a fused residual step): x is s * norm_weight, rounded, and
     # ss_in holds [SS_PARTS, BLOCK_M] float32 partial sums of s^2; the accumulator is scaled
     # by 1 / rms(s) before the bias.
@@ -199,8 +199,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
             pf = w_ptr + rn_ld[:, None] * stride_wn + lines[None, :]
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf],
                                       dtype=tl.int32, is_pure=False, pack=1)
-        gdc_launch_dependents()
+        if TRIGGER == 0:
+            gdc_launch_dependents()
         gdc_wait()
+        if TRIGGER == 1:
+            gdc_launch_dependents()
     w_ptrs = w_ptr + rn_ld[:, None] * stride_wn + (k0 + rk)[None, :]
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :]
     m_mask = rm[:, None] < M
@@ -233,6 +236,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
                 acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL and TRIGGER == 2:
+        gdc_launch_dependents()
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         acc_up = tl.trans(acc_up)
@@ -289,10 +294,13 @@ def _reduce_kernel(p_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_om, HAS_BIAS: 
 _REDUCE_BLOCK = 1024
 # Bytes of a weight matrix prefetched into L2 under ``pdl``: well inside the H200's 50 MB L2,
 # so the lines are still there when the main loop reads them (0: PDL without the prefetch).
-PREFETCH_BYTES = 16 * 2**20
+PREFETCH_BYTES = int(os.environ.get("DLLM_SKINNY_PREFETCH_MB", "16")) * 2**20
 # The weights' L2 eviction policy ("", "evict_first", "evict_last"): each weight is read once
 # a step, so "evict_first" keeps the activations, the KV cache and the prefetched lines in L2.
 W_EVICT = os.environ.get("DLLM_SKINNY_EVICT", "")
+# Under ``pdl``, where a program lets the next kernel launch: 0 at its start (before it waits
+# for its own input), 1 once its input is ready, 2 after its main loop (only the epilogue left).
+PDL_TRIGGER = int(os.environ.get("DLLM_SKINNY_TRIGGER", "0"))
 
 
 def _prefetch_lines(n: int, k: int) -> int:
@@ -418,5 +426,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         EVEN_K=k_tiles * cfg.block_k * split == k, SWAP_AB=cfg.swap_ab, BLOCK_M=MAX_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_LINES=lines, SS_PARTS=parts,
         SS_BLOCK=triton.next_power_of_2(parts), SILU=silu, RESIDUAL=residual is not None,
-        PDL=pdl, W_EVICT=W_EVICT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, W_EVICT=W_EVICT, TRIGGER=PDL_TRIGGER, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl)

@@ -150,8 +150,8 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         if PDL:  # launched early (programmatic dependent launch): wait for q's producer
-            gdc_launch_dependents()
             gdc_wait()
+            gdc_launch_dependents()  # after the wait: launching earlier cascades
         if KV_FIRST:  # the KV heads of a row run side by side: they read the same pages
             kvh = tl.program_id(0).to(tl.int64)
             row = tl.program_id(1).to(tl.int64)
@@ -285,8 +285,8 @@ if triton is not None:
         """Merges the NUM_SPLITS partial states of MERGE_M query rows of one (row, KV head,
         chunk of M), in the order s = 0..S-1 (deterministic), into ``out``."""
         if PDL:
-            gdc_launch_dependents()
             gdc_wait()
+            gdc_launch_dependents()  # after the wait: launching earlier cascades
         row = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         SUBS: tl.constexpr = BLOCK_M // MERGE_M
