@@ -187,6 +187,9 @@ class CudaGraphRunner(Runner):
             f = fields[name]
             if f.axis == "reqs" and name.startswith("state."):
                 src = batch.row_tensors.get(name)
+                if src is not None and n == 0:  # a full batch: no padding rows to add
+                    out.row_tensors[name] = src
+                    continue
                 pad = torch.full((n,), f.pad, dtype=f.dtype, device=self.owner.device)
                 out.row_tensors[name] = pad if src is None else torch.cat([src, pad])
             elif f.axis == "reqs":

@@ -14,6 +14,18 @@ import torch
 
 from dllm.runner.forward_batch import ForwardBatch, ScheduledBatch
 
+_STAGE: list = []  # the loaded ``dllm.runner.stage_kernel`` (or None without Triton)
+
+
+def _stage_module():
+    if not _STAGE:
+        try:
+            from dllm.runner import stage_kernel
+        except ImportError:
+            stage_kernel = None
+        _STAGE.append(stage_kernel)
+    return _STAGE[0]
+
 
 @dataclass(frozen=True)
 class Field:
@@ -36,11 +48,13 @@ CORE_FIELDS: dict[str, Field] = {
 
 
 class InputRegistry:
-    """Fields of one axis and dtype are rows of one device tensor (an arena), mirrored by a
-    pinned host tensor: ``load`` writes the host values and padding into the mirror and moves
-    each arena with one asynchronous copy, instead of one small copy per field. Two mirrors
-    take turns, so a load waits only for the copy of the load before the last one (with two
-    forwards queued per step, the last copy may still wait behind a running forward)."""
+    """Fields of one axis and dtype are rows of one device tensor (an arena); the arenas are
+    views of one device byte buffer, mirrored by a pinned host byte buffer: ``load`` writes
+    the host values and padding into the mirror and moves everything with one asynchronous
+    copy, instead of one small copy per field (each copy-engine transfer also leaves the GPU
+    idle ~5 µs before the kernel that waits on it). Two mirrors take turns, so a load waits
+    only for the copy of the load before the last one (with two forwards queued per step, the
+    last copy may still wait behind a running forward)."""
 
     def __init__(self, max_bs: int, max_tokens: int, device: torch.device):
         self.max_bs = max_bs
@@ -49,8 +63,8 @@ class InputRegistry:
         # ``ScheduledBatch.carry``'s row index per request (-1: the host's input ids).
         self.fields: dict[str, Field] = {**CORE_FIELDS, "carry_row": Field("reqs", torch.int64, -1)}
         self.buffers: dict[str, torch.Tensor] = {}
-        # (axis, dtype) -> (the two host mirrors, the device arena)
-        self._arenas: dict[tuple[str, torch.dtype], tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._host_bytes: list[torch.Tensor] = []  # the two pinned host mirrors
+        self._dev_bytes: torch.Tensor | None = None
         self._host_rows: list[dict[str, np.ndarray]] = [{}, {}]  # numpy views, per mirror
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each mirror's last copy
         self._mirror = 0  # the mirror the next load writes
@@ -61,16 +75,26 @@ class InputRegistry:
         groups: dict[tuple[str, torch.dtype], list[str]] = {}
         for name, f in self.fields.items():
             groups.setdefault((f.axis, f.dtype), []).append(name)
-        pin = self.device.type == "cuda"
-        self._arenas.clear()
+        layout, total = [], 0
         for (axis, dtype), names in groups.items():
             n = self.max_tokens if axis == "tokens" else self.max_bs
-            host = torch.empty((len(names), n), dtype=dtype, pin_memory=pin)
+            total = -(-total // 16) * 16  # every arena 16-byte aligned
+            size = len(names) * n * dtype.itemsize
+            layout.append((names, dtype, n, total, size))
+            total += size
+        pin = self.device.type == "cuda"
+        self._host_bytes = [torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+                            for _ in range(2)]
+        for names, dtype, n, off, size in layout:
+            host = self._host_bytes[0][off : off + size].view(dtype).view(len(names), n)
             for i, name in enumerate(names):
                 host[i].fill_(self.fields[name].pad)
-            hosts = [host, host.clone().pin_memory() if pin else host.clone()]
-            dev = host.to(self.device, copy=True)
-            self._arenas[(axis, dtype)] = (hosts, dev)
+        self._host_bytes[1].copy_(self._host_bytes[0])
+        self._dev_bytes = self._host_bytes[0].to(self.device, copy=True)
+        for names, dtype, n, off, size in layout:
+            dev = self._dev_bytes[off : off + size].view(dtype).view(len(names), n)
+            hosts = [h[off : off + size].view(dtype).view(len(names), n)
+                     for h in self._host_bytes]
             for i, name in enumerate(names):
                 self.buffers[name] = dev[i]
                 for m in (0, 1):
@@ -108,16 +132,42 @@ class InputRegistry:
             buf[:n].copy_(values, non_blocking=True)
         return buf[:padded]
 
+    @staticmethod
+    def _check_carry(batch: ScheduledBatch) -> None:
+        width = batch.carry.shape[1]
+        if "carry_row" not in batch.row_inputs or batch.num_tokens != batch.batch_size * width:
+            raise ValueError("a carried batch needs a carry_row per row and "
+                             f"{width} tokens in every row")
+
     def _gather_carry(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
         """Rows with a ``carry_row`` take their input ids from ``batch.carry`` (on the device,
         after the host values landed: the copy and this gather are stream-ordered)."""
         bs, width = batch.batch_size, batch.carry.shape[1]
-        if "carry_row" not in batch.row_inputs or batch.num_tokens != bs * width:
-            raise ValueError("a carried batch needs a carry_row per row and "
-                             f"{width} tokens in every row")
         src = self.buffers["carry_row"][:bs]
         ids = input_ids[: bs * width].view(bs, width)
         ids.copy_(torch.where((src >= 0)[:, None], batch.carry[src.clamp(min=0)], ids))
+
+    def _staged_on_device(self, batch: ScheduledBatch, views: dict[str, torch.Tensor],
+                          req_to_token: torch.Tensor, loc: bool) -> bool:
+        """The carry gather and (``loc``) the cache slots in one Triton launch
+        (``dllm.runner.stage_kernel``) where every row has the same token count, on CUDA
+        with Triton; False where the torch path must run instead."""
+        bs, t = batch.batch_size, batch.num_tokens
+        width = t // bs if bs else 0
+        carry = batch.carry
+        if (self.device.type != "cuda" or not width or t != bs * width
+                or any(n != width for n in batch.extend_lens)
+                or req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1
+                or (carry is not None and carry.dtype != torch.int64)):
+            return False
+        stage = _stage_module()
+        if stage is None:
+            return False
+        stage.stage_rows(bs, width, views["input_ids"], views["positions"],
+                         views["req_pool_indices"], req_to_token,
+                         views["out_cache_loc"] if loc else None, carry,
+                         self.buffers["carry_row"] if carry is not None else None)
+        return True
 
     def load(self, batch: ScheduledBatch, req_to_token: torch.Tensor,
              padded_bs: int | None = None, padded_tokens: int | None = None,
@@ -149,8 +199,7 @@ class InputRegistry:
             if name not in self.fields:
                 raise KeyError(f"post-step input {name!r} was not registered")
             self._stage(name, values, pt if self.fields[name].axis == "tokens" else pbs)
-        for hosts, dev in self._arenas.values():  # whole arenas: contiguous pinned copies
-            dev.copy_(hosts[m], non_blocking=True)
+        self._dev_bytes.copy_(self._host_bytes[m], non_blocking=True)  # every arena at once
         if self.device.type == "cuda":
             self._copied[m] = torch.cuda.Event()
             self._copied[m].record()
@@ -158,11 +207,14 @@ class InputRegistry:
         views = {name: self.buffers[name][: pt if self.fields[name].axis == "tokens" else pbs]
                  for name in CORE_FIELDS}
         if batch.carry is not None:
-            self._gather_carry(batch, views["input_ids"])
-        if out_cache_loc is None and t:
-            rows = torch.repeat_interleave(
-                views["req_pool_indices"][:bs], views["extend_lens"][:bs], output_size=t)
-            views["out_cache_loc"][:t].copy_(req_to_token[rows, views["positions"][:t]])
+            self._check_carry(batch)
+        if not self._staged_on_device(batch, views, req_to_token, out_cache_loc is None):
+            if batch.carry is not None:
+                self._gather_carry(batch, views["input_ids"])
+            if out_cache_loc is None and t:
+                rows = torch.repeat_interleave(
+                    views["req_pool_indices"][:bs], views["extend_lens"][:bs], output_size=t)
+                views["out_cache_loc"][:t].copy_(req_to_token[rows, views["positions"][:t]])
         extras = {name: self.buffers[name][: pt if self.fields[name].axis == "tokens" else pbs]
                   for source in (batch.row_inputs, batch.token_inputs) for name in source}
         for name, values in batch.row_tensors.items():
