@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dllm.runner.forward_batch import ForwardBatch, ScheduledBatch
+from dllm.runner.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 
 _STAGE: list = []  # the loaded ``dllm.runner.stage_kernel`` (or None without Triton)
 
@@ -150,12 +150,16 @@ class InputRegistry:
     def _staged_on_device(self, batch: ScheduledBatch, views: dict[str, torch.Tensor],
                           req_to_token: torch.Tensor, loc: bool) -> bool:
         """The carry gather and (``loc``) the cache slots in one Triton launch
-        (``dllm.runner.stage_kernel``) where every row has the same token count, on CUDA
-        with Triton; False where the torch path must run instead."""
+        (``dllm.runner.stage_kernel``) for the step kinds a CUDA graph replays
+        (``DLLM_EXTEND``: whole blocks; ``DECODE``: one token a row), on CUDA with Triton;
+        False where the torch path must run instead. Only those kinds: the kernel compiles
+        one variant per power-of-two row width, and a prompt chunk's width would compile
+        new ones while a server runs."""
         bs, t = batch.batch_size, batch.num_tokens
         width = t // bs if bs else 0
         carry = batch.carry
         if (self.device.type != "cuda" or not width or t != bs * width
+                or batch.mode not in (ForwardMode.DLLM_EXTEND, ForwardMode.DECODE)
                 or any(n != width for n in batch.extend_lens)
                 or req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1
                 or (carry is not None and carry.dtype != torch.int64)):

@@ -35,9 +35,13 @@ _HALF = (torch.float16, torch.bfloat16)
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel's prologue overlaps its predecessor's tail,
     Hopper and newer; the skinny GEMM prefetches weights meanwhile) for every kernel the
-    runner launches: opt-in with ``DLLM_PDL=1``. Off by default: with the residual steps in
-    the GEMMs, GEMMs follow each other and their prefetches compete (SDAR-8B batch 1: 5.42 ms
-    a step with it, 4.96 without, offline-20261130-011647 / -011730)."""
+    runner launches: opt-in with ``DLLM_PDL=1`` (``DLLM_SKINNY_TRIGGER``, ``_PREFETCH_MB``:
+    where the skinny GEMM lets the next kernel launch, how much it prefetches). Off by
+    default because it is slower: SDAR-8B batch 1 5.42 ms a step with it against 4.96 without
+    (offline-20261130-011647 / -011730); with the launch let go once a kernel's input is
+    ready 5.49 against 4.65 ms, after the GEMM's main loop 4.66 (offline-20261130-021029,
+    -021116-pdl-trigger1, -021156-pdl-trigger2; bench/layer_chain.py has the GEMM chain
+    alone)."""
     return device_support_pdl(device) and os.environ.get("DLLM_PDL") == "1"
 
 

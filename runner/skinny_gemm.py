@@ -29,8 +29,14 @@ gate_up 4.1 TB/s and lm_head 4.4 TB/s (at the copy ceiling), down 3.7 TB/s (1.03
 cuBLAS), o_proj 2.85 TB/s (1.05-1.09x), qkv 3.1 TB/s (0.94-0.98x cuBLAS, i.e. a tie within
 ~0.5 us). Every shape pays a roughly fixed ~4 us per launch (ramp-up of the first loads and the
 tail) over its bytes / 4.4 TB/s, which is what keeps the 34-50 MB shapes near 3 TB/s; tile
-shape, stages and split-K do not move it. Hiding it needs the next kernel's weight stream to
-start before the previous kernel ends (programmatic dependent launch), not a better tile.
+shape, stages and split-K do not move it. A whole batch-1 step's chain of these GEMMs
+(``bench/layer_chain.py``, 36 layers, fused epilogues) runs at 1.14x its bytes at the copy
+ceiling. Starting the next kernel's weight stream early does not hide that share: with
+programmatic dependent launch (``pdl``) letting the next kernel launch at a program's start
+or once its input is ready, the chain took 1.54-1.61x (the waiting programs of the next
+kernel hold SM slots the running one needs), and after the main loop 1.15-1.20x, with 0-16
+MB of each weight prefetched into L2 and with an ``evict_first`` policy on the weights alike
+(layer-chain-20261130-021023); ``evict_first`` alone changes nothing (1.143x).
 
 **Determinism and row independence.** There are no atomics and no run-time autotuning: the
 configuration comes from a fixed table keyed on (N, K) only (``CONFIGS``, with a default
@@ -318,7 +324,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (benchmarks); ``out`` is written in place if given (tests poison it). ``pdl``: launch
     with programmatic dependent launch (Hopper and newer), streaming the first lines of each
     weight row (``PREFETCH_BYTES`` in all) into L2 before waiting for the kernel that writes
-    ``x`` (the unsplit kernel only).
+    ``x`` (the unsplit kernel only; slower than without, see the module notes).
 
     ``sum_sq`` (with ``eps``): x is the ``scaled`` output of ``skinny_linear_residual`` and
     ``sum_sq`` its partial sums; the result is ``F.linear(rms_norm(s) * norm_weight, ...)``.

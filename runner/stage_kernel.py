@@ -17,20 +17,23 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Everything but the block size is a run-time value, kept out of Triton's specialisation
+# (an int of 1 or a multiple of 16 compiles a variant of its own): a new variant compiled
+# while a server runs stalls it for a second, and the first carried step comes after the
+# CUDA graphs' warm-up has compiled the kernels (with no carry).
+@triton.jit(do_not_specialize=["stride_cr", "stride_cc", "stride_t", "width", "carry", "loc"])
 def _stage_kernel(carry_ptr, carry_row_ptr, ids_ptr, table_ptr, req_ptr, pos_ptr, loc_ptr,
-                  stride_cr, stride_cc, stride_t, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                  CARRY: tl.constexpr, LOC: tl.constexpr):
+                  stride_cr, stride_cc, stride_t, width, carry, loc, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
-    ok = j < WIDTH
-    tok = r * WIDTH + j
-    if CARRY:
+    ok = j < width
+    tok = r * width + j
+    if carry != 0:
         src = tl.load(carry_row_ptr + r)
         if src >= 0:
             ids = tl.load(carry_ptr + src * stride_cr + j * stride_cc, mask=ok)
             tl.store(ids_ptr + tok, ids, mask=ok)
-    if LOC:
+    if loc != 0:
         req = tl.load(req_ptr + r)
         pos = tl.load(pos_ptr + tok, mask=ok, other=0)
         tl.store(loc_ptr + tok, tl.load(table_ptr + req * stride_t + pos, mask=ok), mask=ok)
@@ -56,5 +59,5 @@ def stage_rows(rows: int, width: int, input_ids: torch.Tensor, positions: torch.
         input_ids, req_to_token, req_pool_indices, positions,
         out_cache_loc if out_cache_loc is not None else dummy,
         carry.stride(0) if carry is not None else 0, carry.stride(1) if carry is not None else 0,
-        req_to_token.stride(0), WIDTH=width, BLOCK=triton.next_power_of_2(width),
-        CARRY=carry is not None, LOC=out_cache_loc is not None, num_warps=1)
+        req_to_token.stride(0), width, int(carry is not None), int(out_cache_loc is not None),
+        BLOCK=triton.next_power_of_2(width), num_warps=1)
