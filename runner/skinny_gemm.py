@@ -198,8 +198,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ss_in_ptr, r_ptr, nw_ptr, s_ptr
     if PDL:
         # Programmatic dependent launch: this grid may start while the kernel that writes x
         # is still running. The weights do not depend on it, so pull the first
-        # PREFETCH_LINES 128-byte lines of each of this program's rows into L2 now, let the
-        # next kernel launch too, and wait for x's producer only before reading x.
+        # PREFETCH_LINES 128-byte lines of each of this program's rows into L2 now, and wait
+        # for x's producer only before reading x; TRIGGER says when the next kernel may
+        # launch.
         if PREFETCH_LINES > 0:
             lines = k0 + tl.arange(0, PREFETCH_LINES) * 64  # within the row: at most its length
             pf = w_ptr + rn_ld[:, None] * stride_wn + lines[None, :]
@@ -301,8 +302,9 @@ _REDUCE_BLOCK = 1024
 # Bytes of a weight matrix prefetched into L2 under ``pdl``: well inside the H200's 50 MB L2,
 # so the lines are still there when the main loop reads them (0: PDL without the prefetch).
 PREFETCH_BYTES = int(os.environ.get("DLLM_SKINNY_PREFETCH_MB", "16")) * 2**20
-# The weights' L2 eviction policy ("", "evict_first", "evict_last"): each weight is read once
-# a step, so "evict_first" keeps the activations, the KV cache and the prefetched lines in L2.
+# The weights' L2 eviction policy ("", "evict_first", "evict_last"), for measurements: each
+# weight is read once a step, but "evict_first" measured no change (1.143x vs 1.138x the
+# bytes for the batch-1 GEMM chain, layer-chain-20261130-021023).
 W_EVICT = os.environ.get("DLLM_SKINNY_EVICT", "")
 # Under ``pdl``, where a program lets the next kernel launch: 0 at its start (before it waits
 # for its own input), 1 once its input is ready, 2 after its main loop (only the epilogue left).
