@@ -26,14 +26,13 @@ differently: max relative error < 2e-2). Writes ``gate-up-forms-<stamp>.md`` / `
 from __future__ import annotations
 
 import argparse
-import statistics
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, require_cuda, write_report
+from report import environment, replay_us, require_cuda, write_report
 
 HIDDEN, INTER, LAYERS = 4096, 12288, 36
 
@@ -144,17 +143,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 (a form this machine refuses)
             print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        us = statistics.median(times)
+        us = replay_us(graph, args.replays)
         res = out.float()
         if ref is None:
             ref = res

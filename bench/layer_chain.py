@@ -19,10 +19,9 @@ the bits must be equal). Writes ``layer-chain-<stamp>.md`` / ``.json`` under ``-
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-from report import copy_bandwidth, environment, require_cuda, write_report
+from report import copy_bandwidth, environment, replay_us, require_cuda, write_report
 
 from dllm.runner import skinny_gemm as sg
 
@@ -79,19 +78,10 @@ def time_graph(fn, replays: int = 20) -> tuple[float, torch.Tensor]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+    us = replay_us(graph, replays)
     result = out.clone()
     del graph
-    return statistics.median(times), result
+    return us, result
 
 
 def main() -> int:

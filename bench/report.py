@@ -1,6 +1,7 @@
 """What every benchmark script shares: where it leaves its results (``<out>/<name>-<stamp>.md``,
 what it printed, and ``<out>/<name>-<stamp>.json``, the numbers and the environment), the
-environment it reports, the copy-bandwidth ceiling and the check for a GPU."""
+environment it reports, the copy-bandwidth ceiling, the timing of a captured CUDA graph and
+the check for a GPU."""
 
 from __future__ import annotations
 
@@ -61,6 +62,21 @@ def copy_bandwidth() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * 2**31 / statistics.median(times)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """Median µs of ``replays`` event-timed replays of a captured graph (after one untimed)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
 
 
 def stamp() -> str:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import copy_bandwidth, environment, require_cuda, write_report
+from report import copy_bandwidth, environment, replay_us, require_cuda, write_report
 
 try:
     from dllm.runner import skinny_gemm as sg
@@ -57,18 +56,9 @@ def graph_us(call, weights: list[torch.Tensor], n_calls: int, replays: int = 15)
     with torch.cuda.graph(graph):
         for i in range(n_calls):
             call(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n_calls)
+    us = replay_us(graph, replays) / n_calls
     del graph
-    return statistics.median(times)
+    return us
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -7,22 +7,14 @@ interpreter."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from dllm.algorithms import rng
 from dllm.algorithms.rng import Stream
+from tests.triton_marks import DEV, INTERPRET, MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = ([] if INTERPRET else [pytest.mark.gpu]) + [
-    pytest.mark.skipif(not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET),
-                       reason="needs triton and a CUDA device (or TRITON_INTERPRET=1)"),
-]
-DEV = "cpu" if INTERPRET else "cuda"
+pytestmark = MARKS
 
 SEEDS = [0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 7, 2**63 - 1, -1, -2**63]
 

@@ -7,22 +7,13 @@ interpreter, in float16 (the interpreter has no bfloat16 arithmetic) and on smal
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from tests.triton_marks import INTERPRET, MARKS
 
-# Under the interpreter the tests run on the CPU: leave out the marker (the conftest skips
-# ``gpu`` tests where CUDA is missing).
-pytestmark = ([] if INTERPRET else [pytest.mark.gpu]) + [
-    pytest.mark.skipif(not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET),
-                       reason="needs triton and a CUDA device (or TRITON_INTERPRET=1)"),
-]
+pytestmark = MARKS
 
 if INTERPRET:
     DEV, DTYPE = "cpu", torch.float16

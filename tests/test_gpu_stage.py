@@ -7,22 +7,14 @@ under Triton's interpreter."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from dllm.runner.forward_batch import AttentionMask, ForwardMode, LogitsMode, ScheduledBatch
 from dllm.runner.input_registry import InputRegistry
+from tests.triton_marks import DEV, INTERPRET, MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = ([] if INTERPRET else [pytest.mark.gpu]) + [
-    pytest.mark.skipif(not HAVE_TRITON or not (torch.cuda.is_available() or INTERPRET),
-                       reason="needs triton and a CUDA device (or TRITON_INTERPRET=1)"),
-]
-DEV = "cpu" if INTERPRET else "cuda"
+pytestmark = MARKS
 
 
 @pytest.mark.parametrize("width,bs", [(4, 3), (1, 5), (32, 2), (5, 1)])
