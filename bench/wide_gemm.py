@@ -1,0 +1,195 @@
+"""Can a Triton GEMM match cuBLAS at the batch-128 step's 512 tokens on the 8B shapes? The
+question behind folding SiLU-and-mul and the add + RMSNorm into GEMM epilogues at batch 128
+(bench/NOTES.md, "Left"): those kernels and their gaps cost ~1 ms a step, so an own GEMM pays
+only if it comes within ~3% of cuBLAS (767 TFLOP/s on gate/up in isolation).
+
+    python bench/wide_gemm.py [--tokens 512] [--shapes qkv,o_proj,gate_up,down]
+
+A plain ``y = x @ W.T`` (x ``[M, K]``, W ``[N, K]``, both K-major, bf16, float32 accumulation)
+in two forms: tiles loaded through pointers (Triton pipelines them, ``num_stages``) and
+through tensor descriptors (TMA), over a grid of ``BLOCK_M × BLOCK_N`` tiles in groups of
+``GROUP_M`` row tiles (L2 reuse of W). A handful of tile configurations per form; each result
+is checked against ``F.linear`` (relative error < 1e-2) and timed as the median of CUDA-graph
+replays of 20 calls taking turns among 4 weight copies, next to cuBLAS timed the same way.
+Writes ``wide-gemm-<stamp>.md`` / ``.json`` under ``--out``. Not used by the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from report import environment, replay_us, require_cuda, write_report
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288), "lm_head": (151936, 4096)}
+CALLS, COPIES = 20, 4
+
+
+@triton.jit
+def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles sweep the column tiles together (W tiles reused)."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (rm % M)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + (rn % N)[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(K_TILES):  # K = K_TILES * BLOCK_K
+        acc = tl.dot(tl.load(x_ptrs), tl.trans(tl.load(w_ptrs)), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _gemm_tma_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     K_TILES: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(K_TILES):  # K = K_TILES * BLOCK_K
+        a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
+        b = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+
+
+def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (``triton.set_allocator``)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, tma: bool,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` with the tile configuration ``cfg`` (K a multiple of BLOCK_K; with ``tma``
+    also x, w and the output contiguous)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert k % cfg["BLOCK_K"] == 0 and w.shape[1] == k
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                GROUP_M=cfg["GROUP_M"], K_TILES=k // cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
+    if tma:
+        _gemm_tma_kernel[grid](x, w, y, m, n, k, **meta)
+    else:
+        _gemm_ptr_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **meta)
+    return y
+
+
+def configs() -> list[dict]:
+    out = []
+    for bm, bn, bk, stages, warps, group in itertools.product(
+            (128,), (128, 256), (64,), (3, 4, 5), (4, 8), (8,)):
+        smem = stages * (bm + bn) * bk * 2
+        if smem > 220 * 1024 or (bn == 256 and warps == 4):
+            continue
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages,
+                        num_warps=warps, GROUP_M=group))
+    return out
+
+
+def graph_us(call, weights: list[torch.Tensor]) -> float:
+    for w in weights:
+        call(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            call(weights[i % len(weights)])
+    us = replay_us(graph) / CALLS
+    del graph
+    return us
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
+    args = ap.parse_args()
+    if not require_cuda(__file__):
+        return 2
+    triton.set_allocator(_alloc)
+    env = environment()
+    dt = torch.bfloat16
+    m = args.tokens
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, failures = [], 0
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        ws = [torch.randn(n, k, device="cuda", dtype=dt, generator=g) * k**-0.5
+              for _ in range(COPIES)]
+        x = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+        ref = F.linear(x, ws[0]).float()
+        flop = 2 * m * n * k
+        cublas = graph_us(lambda w, x=x: F.linear(x, w), ws)
+        rows.append(dict(shape=name, form="cuBLAS", config="", us=cublas,
+                         tflops=flop / cublas / 1e6, vs_cublas=1.0))
+        print(f"{name}: cuBLAS {cublas:.1f} µs, {flop / cublas / 1e6:.0f} TFLOP/s", flush=True)
+        for tma, cfg in itertools.product((False, True), configs()):
+            form = "tma" if tma else "pointers"
+            label = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
+                     f"s{cfg['num_stages']} w{cfg['num_warps']}")
+            try:
+                err = ((gemm(x, ws[0], cfg, tma).float() - ref).norm() / ref.norm()).item()
+                us = graph_us(lambda w, x=x, cfg=cfg, tma=tma: gemm(x, w, cfg, tma), ws)
+            except Exception as e:  # noqa: BLE001 (out of resources, say)
+                print(f"  {form} {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+                      flush=True)
+                continue
+            failures += not err < 1e-2
+            rows.append(dict(shape=name, form=form, config=label, us=us,
+                             tflops=flop / us / 1e6, vs_cublas=us / cublas, err=err))
+            print(f"  {form:>8} {label:>22}: {us:7.1f} µs, {flop / us / 1e6:4.0f} TFLOP/s, "
+                  f"{us / cublas:.3f}× cuBLAS, err {err:.1e}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    lines = [f"# Triton GEMM vs cuBLAS at {m} tokens ({env['gpu']}, torch {env['torch']}, "
+             f"triton {env['triton']})", "",
+             f"Median of CUDA-graph replays of {CALLS} calls over {COPIES} weight copies.", "",
+             "| shape | form | config | µs | TFLOP/s | × cuBLAS |", "|---|---|---|---|---|---|"]
+    for name in args.shapes.split(","):
+        mine = sorted((r for r in rows if r["shape"] == name), key=lambda r: r["us"])
+        best = [r for r in mine if r["form"] == "cuBLAS"] + [
+            r for r in mine if r["form"] != "cuBLAS"][:3]
+        lines += [f"| {r['shape']} | {r['form']} | {r['config']} | {r['us']:.1f} | "
+                  f"{r['tflops']:.0f} | {r['vs_cublas']:.3f} |" for r in best]
+    lines += ["", f"{failures} failed correctness checks (best three Triton configs a shape)."]
+    text = "\n".join(lines)
+    print(text)
+    print(f"wrote {write_report(args.out, 'wide-gemm', text, dict(env=env, rows=rows))}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
