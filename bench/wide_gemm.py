@@ -184,7 +184,8 @@ def main() -> int:
             r for r in mine if r["form"] != "cuBLAS"][:3]
         lines += [f"| {r['shape']} | {r['form']} | {r['config']} | {r['us']:.1f} | "
                   f"{r['tflops']:.0f} | {r['vs_cublas']:.3f} |" for r in best]
-    lines += ["", f"{failures} failed correctness checks (best three Triton configs a shape)."]
+    lines += ["", f"{failures} failed correctness checks (every config run; the table shows the "
+              "best three Triton configs a shape)."]
     text = "\n".join(lines)
     print(text)
     print(f"wrote {write_report(args.out, 'wide-gemm', text, dict(env=env, rows=rows))}")

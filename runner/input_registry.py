@@ -159,7 +159,8 @@ class InputRegistry:
         width = t // bs if bs else 0
         carry = batch.carry
         if (self.device.type != "cuda" or not width or t != bs * width
-                or batch.mode not in (ForwardMode.DLLM_EXTEND, ForwardMode.DECODE)
+                or width != (batch.block_size if batch.mode is ForwardMode.DLLM_EXTEND
+                             else 1 if batch.mode is ForwardMode.DECODE else 0)
                 or any(n != width for n in batch.extend_lens)
                 or req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1
                 or (carry is not None and carry.dtype != torch.int64)):

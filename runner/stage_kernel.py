@@ -18,10 +18,13 @@ import triton.language as tl
 
 
 # Everything but the block size is a run-time value, kept out of Triton's specialisation
-# (an int of 1 or a multiple of 16 compiles a variant of its own): a new variant compiled
+# (an int of 1 or a multiple of 16, a pointer's 16-byte alignment, each compile a variant of
+# its own: the registry's buffers move when it grows): a new variant compiled
 # while a server runs stalls it for a second, and the first carried step comes after the
 # CUDA graphs' warm-up has compiled the kernels (with no carry).
-@triton.jit(do_not_specialize=["stride_cr", "stride_cc", "stride_t", "width", "carry", "loc"])
+@triton.jit(do_not_specialize=["stride_cr", "stride_cc", "stride_t", "width", "carry", "loc"],
+            do_not_specialize_on_alignment=["carry_ptr", "carry_row_ptr", "ids_ptr",
+                                            "table_ptr", "req_ptr", "pos_ptr", "loc_ptr"])
 def _stage_kernel(carry_ptr, carry_row_ptr, ids_ptr, table_ptr, req_ptr, pos_ptr, loc_ptr,
                   stride_cr, stride_cc, stride_t, width, carry, loc, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)

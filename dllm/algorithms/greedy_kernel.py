@@ -1,7 +1,8 @@
 """The greedy draw and its confidence in one pass over the logits (Triton; CUDA only).
 
 A batch whose rows are all greedy needs, per position, only ``x0 = argmax(logits)`` (the
-excluded id never wins, ties go to the lowest id) and the log-probability of ``x0`` under
+excluded id never wins while another id is finite, ties go to the lowest id; as in the
+reference, a row of nothing but -inf gives id 0) and the log-probability of ``x0`` under
 the plain softmax, ``top - (top + log1p(S))`` with ``S = Σ_{i ≠ x0} exp(logit_i - top)``
 (``sampling.log_normalizer``'s form, exact near a confidence of 1). The reference computes
 that with about ten float32 passes over a ``[positions, vocab]`` copy of the logits (1.6 ms

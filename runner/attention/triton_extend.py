@@ -322,6 +322,11 @@ _RETIRED: list[torch.Tensor] = []
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Zeros made inside a capture exist only once the graph replays: an eager launch
+            # before that would count from garbage (the runners warm up every shape first).
+            raise RuntimeError("the split-merge counters must be allocated before a CUDA "
+                               "graph capture: run the launch once eagerly first")
         if buf is not None:
             _RETIRED.append(buf)
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
@@ -347,7 +352,7 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     ``num_splits`` S > 1 splits every row's keys over S programs (split s takes the BLOCK_N
     chunks s, s + S, ...; any seq_len, the grid fixed), which write float32 partials to a
     workspace, merged in the order s = 0..S-1: for small batches (see :func:`splits_for`).
-    With ``fold_merge`` the last program of each (row, KV head) to finish merges, counted
+    With ``fold_merge`` the last program of each (row, KV head, M chunk) to finish merges, counted
     with an atomic (one launch); without, a second launch merges. Both give the same bits.
     Deterministic and row-independent for a given S; the bits differ from another S. S = 1
     is the single launch. ``pdl``: launch with programmatic dependent
