@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, replay_us, require_cuda, write_report
+from report import environment, graph_us, require_cuda, write_report
 
 HIDDEN, INTER, LAYERS = 4096, 12288, 36
 
@@ -135,15 +135,10 @@ def main() -> int:
 
         try:
             with flag(name):
-                out = step()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = step()
+                us, out = graph_us(step, args.replays)
         except Exception as e:  # noqa: BLE001 (a form this machine refuses)
             print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
-        us = replay_us(graph, args.replays)
         res = out.float()
         if ref is None:
             ref = res
@@ -152,7 +147,6 @@ def main() -> int:
         rows.append(dict(form=label, us_step=us, us_layer=us / LAYERS, err=err))
         print(f"  {label:>32}: {us:8.0f} µs/step, {us / LAYERS:6.1f} µs/layer, err {err:.1e}",
               flush=True)
-        del graph
     lines = [f"# Gate/up + SiLU at {t} tokens, 8B shapes ({env['gpu']}, torch {env['torch']})",
              "", f"36 × (add + RMSNorm, gate/up, SiLU-and-mul, down) in one CUDA graph; "
              f"gate/up alone is {flops / 1e12:.2f} TFLOP a step. Median of "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import copy_bandwidth, environment, replay_us, require_cuda, write_report
+from report import copy_bandwidth, environment, graph_us, require_cuda, write_report
 
 from dllm.runner import skinny_gemm as sg
 
@@ -72,18 +72,6 @@ def chain(weights: list[dict], x: torch.Tensor, pdl: bool) -> torch.Tensor:
     return stream
 
 
-def time_graph(fn, replays: int = 20) -> tuple[float, torch.Tensor]:
-    out = fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    us = replay_us(graph, replays)
-    result = out.clone()
-    del graph
-    return us, result
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
@@ -106,7 +94,7 @@ def main() -> int:
     for label, pdl, prefetch, evict, trigger in VARIANTS:
         sg.PREFETCH_BYTES, sg.W_EVICT, sg.PDL_TRIGGER = prefetch, evict, trigger
         try:
-            us, out = time_graph(lambda pdl=pdl: chain(weights, x, pdl))
+            us, out = graph_us(lambda pdl=pdl: chain(weights, x, pdl))
         except Exception as e:  # noqa: BLE001 (a variant the GPU or compiler refuses)
             print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue

@@ -79,6 +79,30 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, replays: int = 20):
+    """``fn()`` run once eagerly (compiles, warms up), captured as a CUDA graph and replayed:
+    the median µs of a replay and the captured output (a tensor cloned, as the graph's memory
+    goes with it)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    us = replay_us(graph, replays)
+    if isinstance(out, torch.Tensor):
+        out = out.clone()
+    del graph
+    return us, out
+
+
+def rotating_us(call, weights: list, n_calls: int, replays: int = 20) -> float:
+    """Median µs per call of a graph of ``n_calls`` calls ``call(w)`` taking turns among
+    ``weights`` (enough copies that each call reads its weight from HBM, not L2)."""
+    us, _ = graph_us(lambda: [call(weights[i % len(weights)]) for i in range(n_calls)],
+                     replays)
+    return us / n_calls
+
+
 def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 

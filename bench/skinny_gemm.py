@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import copy_bandwidth, environment, replay_us, require_cuda, write_report
+from report import copy_bandwidth, environment, require_cuda, rotating_us, write_report
 
 try:
     from dllm.runner import skinny_gemm as sg
@@ -44,21 +44,6 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),
 LM_HEAD = ("lm_head", 151936, 4096)
 ROTATE_BYTES = 400 * 2**20
 SMEM_LIMIT = 200 * 1024  # bytes of shared memory a candidate's pipeline may use (H200: 227 KB)
-
-
-def graph_us(call, weights: list[torch.Tensor], n_calls: int, replays: int = 15) -> float:
-    """Median µs per call over replays of one CUDA graph of ``n_calls`` calls that take turns
-    among ``weights``."""
-    for w in weights:  # compile / warm up outside the capture
-        call(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n_calls):
-            call(weights[i % len(weights)])
-    us = replay_us(graph, replays) / n_calls
-    del graph
-    return us
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -144,7 +129,7 @@ def main() -> int:
 
         cublas = {}
         for m in tokens:
-            us = graph_us(lambda w, x=xs[m]: F.linear(x, w), ws, n_calls)
+            us = rotating_us(lambda w, x=xs[m]: F.linear(x, w), ws, n_calls)
             err = check(lambda x, w, y: y.copy_(F.linear(x, w)), m)
             cublas[m] = us
             rows.append(dict(shape=name, n=n, k=k, m=m, impl="cublas", config="", us=us,
@@ -158,7 +143,7 @@ def main() -> int:
                 try:
                     err = check(lambda x, w, y, cfg=cfg: sg.skinny_linear(
                         x, w, config=cfg, out=y), m)
-                    us = graph_us(lambda w, x=xs[m], cfg=cfg: sg.skinny_linear(
+                    us = rotating_us(lambda w, x=xs[m], cfg=cfg: sg.skinny_linear(
                         x, w, config=cfg), ws, n_calls)
                 except Exception as e:  # noqa: BLE001 (out of resources, compile errors)
                     print(f"  {name} {cfg.label()} M={m}: {type(e).__name__}: "
@@ -305,7 +290,7 @@ def fused_main(args) -> int:
                           f"{str(e).splitlines()[0][:100]}", flush=True)
                     continue
                 failures += not err < 1e-2
-                us = graph_us(call, ws, max(20, copies * -(-20 // copies)))
+                us = rotating_us(call, ws, max(20, copies * -(-20 // copies)))
                 rows.append(dict(shape=name, n=n, k=k, m=m, variant=label, us=us,
                                  tb_s=2 * n * k / us / 1e6, err=err))
                 print(f"  {name} M={m} {label:>20}: {us:.1f} µs, {2 * n * k / us / 1e6:.2f} "

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, replay_us, require_cuda, write_report
+from report import environment, require_cuda, rotating_us, write_report
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -118,19 +118,6 @@ def configs() -> list[dict]:
     return out
 
 
-def graph_us(call, weights: list[torch.Tensor]) -> float:
-    for w in weights:
-        call(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(weights[i % len(weights)])
-    us = replay_us(graph) / CALLS
-    del graph
-    return us
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
@@ -152,7 +139,7 @@ def main() -> int:
         x = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
         ref = F.linear(x, ws[0]).float()
         flop = 2 * m * n * k
-        cublas = graph_us(lambda w, x=x: F.linear(x, w), ws)
+        cublas = rotating_us(lambda w, x=x: F.linear(x, w), ws, CALLS)
         rows.append(dict(shape=name, form="cuBLAS", config="", us=cublas,
                          tflops=flop / cublas / 1e6, vs_cublas=1.0))
         print(f"{name}: cuBLAS {cublas:.1f} µs, {flop / cublas / 1e6:.0f} TFLOP/s", flush=True)
@@ -162,7 +149,8 @@ def main() -> int:
                      f"s{cfg['num_stages']} w{cfg['num_warps']}")
             try:
                 err = ((gemm(x, ws[0], cfg, tma).float() - ref).norm() / ref.norm()).item()
-                us = graph_us(lambda w, x=x, cfg=cfg, tma=tma: gemm(x, w, cfg, tma), ws)
+                us = rotating_us(lambda w, x=x, cfg=cfg, tma=tma: gemm(x, w, cfg, tma), ws,
+                                 CALLS)
             except Exception as e:  # noqa: BLE001 (out of resources, say)
                 print(f"  {form} {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
                       flush=True)

@@ -7,6 +7,7 @@ addresses every time."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,17 +15,15 @@ import torch
 
 from dllm.runner.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
 
-_STAGE: list = []  # the loaded ``dllm.runner.stage_kernel`` (or None without Triton)
 
-
+@functools.cache
 def _stage_module():
-    if not _STAGE:
-        try:
-            from dllm.runner import stage_kernel
-        except ImportError:
-            stage_kernel = None
-        _STAGE.append(stage_kernel)
-    return _STAGE[0]
+    """``dllm.runner.stage_kernel``, or None without Triton."""
+    try:
+        from dllm.runner import stage_kernel
+    except ImportError:
+        return None
+    return stage_kernel
 
 
 @dataclass(frozen=True)
