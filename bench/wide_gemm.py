@@ -6,9 +6,11 @@ only if it comes within ~3% of cuBLAS (767 TFLOP/s on gate/up in isolation).
     python bench/wide_gemm.py [--tokens 512] [--shapes qkv,o_proj,gate_up,down]
 
 A plain ``y = x @ W.T`` (x ``[M, K]``, W ``[N, K]``, both K-major, bf16, float32 accumulation)
-in two forms: tiles loaded through pointers (Triton pipelines them, ``num_stages``) and
+in four forms: tiles loaded through pointers (Triton pipelines them, ``num_stages``) and
 through tensor descriptors (TMA), over a grid of ``BLOCK_M × BLOCK_N`` tiles in groups of
-``GROUP_M`` row tiles (L2 reuse of W). A handful of tile configurations per form; each result
+``GROUP_M`` row tiles (L2 reuse of W); and persistent (one TMA program an SM walking the
+tiles), with and without Triton's warp specialisation. A handful of tile configurations per
+form; each result
 is checked against ``F.linear`` (relative error < 1e-2) and timed as the median of CUDA-graph
 replays of 20 calls taking turns among 4 weight copies, next to cuBLAS timed the same way.
 Writes ``wide-gemm-<stamp>.md`` / ``.json`` under ``--out``. Not used by the runtime.
@@ -82,15 +84,43 @@ def _gemm_tma_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr,
     y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _gemm_persistent_kernel(x_ptr, w_ptr, y_ptr, M, N, K, NUM_PROGRAMS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                            K_TILES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """One program an SM walking the tiles (TMA loads; with ``WARP_SPECIALIZE`` Triton
+    splits the loads and the MMAs into producer and consumer warps)."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(K_TILES):
+            a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+
+
+FORMS = ("pointers", "tma", "persistent", "persistent-ws")
+
+
 def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (``triton.set_allocator``)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, tma: bool,
+def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, form: str,
          out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T`` with the tile configuration ``cfg`` (K a multiple of BLOCK_K; with ``tma``
-    also x, w and the output contiguous)."""
+    """``x @ w.T`` in ``form`` (one of ``FORMS``) with the tile configuration ``cfg`` (K a
+    multiple of BLOCK_K; but for ``pointers`` also x, w and the output contiguous)."""
     m, k = x.shape
     n = w.shape[0]
     assert k % cfg["BLOCK_K"] == 0 and w.shape[1] == k
@@ -99,8 +129,12 @@ def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, tma: bool,
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 GROUP_M=cfg["GROUP_M"], K_TILES=k // cfg["BLOCK_K"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"])
-    if tma:
+    if form == "tma":
         _gemm_tma_kernel[grid](x, w, y, m, n, k, **meta)
+    elif form.startswith("persistent"):
+        programs = min(grid[0], torch.cuda.get_device_properties(x.device).multi_processor_count)
+        _gemm_persistent_kernel[(programs,)](x, w, y, m, n, k, NUM_PROGRAMS=programs,
+                                             WARP_SPECIALIZE=form.endswith("ws"), **meta)
     else:
         _gemm_ptr_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), **meta)
     return y
@@ -109,9 +143,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, tma: bool,
 def configs() -> list[dict]:
     out = []
     for bm, bn, bk, stages, warps, group in itertools.product(
-            (128,), (128, 256), (64,), (3, 4, 5), (4, 8), (8,)):
+            (128,), (128, 256), (64, 128), (3, 4, 5), (4, 8), (8,)):
         smem = stages * (bm + bn) * bk * 2
-        if smem > 220 * 1024 or (bn == 256 and warps == 4):
+        if smem > 220 * 1024 or (bn == 256 and warps == 4) or (bk == 128 and warps == 4):
             continue
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages,
                         num_warps=warps, GROUP_M=group))
@@ -143,13 +177,14 @@ def main() -> int:
         rows.append(dict(shape=name, form="cuBLAS", config="", us=cublas,
                          tflops=flop / cublas / 1e6, vs_cublas=1.0))
         print(f"{name}: cuBLAS {cublas:.1f} µs, {flop / cublas / 1e6:.0f} TFLOP/s", flush=True)
-        for tma, cfg in itertools.product((False, True), configs()):
-            form = "tma" if tma else "pointers"
+        for form, cfg in itertools.product(FORMS, configs()):
+            if form.startswith("persistent") and cfg["num_warps"] == 4:
+                continue  # one warp group per MMA tile is what the persistent forms are for
             label = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} "
                      f"s{cfg['num_stages']} w{cfg['num_warps']}")
             try:
-                err = ((gemm(x, ws[0], cfg, tma).float() - ref).norm() / ref.norm()).item()
-                us = rotating_us(lambda w, x=x, cfg=cfg, tma=tma: gemm(x, w, cfg, tma), ws,
+                err = ((gemm(x, ws[0], cfg, form).float() - ref).norm() / ref.norm()).item()
+                us = rotating_us(lambda w, x=x, cfg=cfg, form=form: gemm(x, w, cfg, form), ws,
                                  CALLS)
             except Exception as e:  # noqa: BLE001 (out of resources, say)
                 print(f"  {form} {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
