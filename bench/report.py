@@ -6,6 +6,7 @@ the check for a GPU."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -25,12 +26,13 @@ def require_cuda(script: str) -> bool:
 
 
 def environment() -> dict:
-    """GPU, SM count, driver, CUDA, torch, Python, and the Triton and FlashInfer versions
-    (None where not installed)."""
+    """GPU, SM count, driver, CUDA, torch, Python, the Triton and FlashInfer versions (None
+    where not installed), and the runtime's ``DLLM_*`` knobs set in the environment."""
     env = {"gpu": torch.cuda.get_device_name(),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version()}
+           "python": platform.python_version(),
+           "knobs": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DLLM_")}}
     for name in ("triton", "flashinfer"):
         try:
             env[name] = __import__(name).__version__

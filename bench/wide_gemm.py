@@ -13,7 +13,12 @@ tiles), with and without Triton's warp specialisation. A handful of tile configu
 form; each result
 is checked against ``F.linear`` (relative error < 1e-2) and timed as the median of CUDA-graph
 replays of 20 calls taking turns among 4 weight copies, next to cuBLAS timed the same way.
-Writes ``wide-gemm-<stamp>.md`` / ``.json`` under ``--out``. Not used by the runtime.
+Writes ``wide-gemm-<stamp>.md`` / ``.json`` under ``--out``.
+
+    python bench/wide_gemm.py --chain 128,256,512,1024,4096
+
+times instead what the runtime runs from o_proj to the next layer's norm, with cuBLAS and
+FlashInfer's kernels against ``dllm.runner.wide_gemm`` (``wide-chain-<stamp>``).
 """
 
 from __future__ import annotations
@@ -152,14 +157,92 @@ def configs() -> list[dict]:
     return out
 
 
+def chain(out: str, tokens: list[int]) -> int:
+    """The MLP half of a layer and the attention output before it, as the runtime runs them
+    at each token count: cuBLAS with FlashInfer's add + RMSNorm and SiLU kernels, against
+    ``dllm.runner.wide_gemm`` (o_proj and down with the residual step in the epilogue,
+    gate/up with the norm's row scale and SiLU-and-mul; q/k/v's norm then a plain RMSNorm of
+    the stream), and that without the down kernel. Layers rotate through 4 weight copies."""
+    import flashinfer
+
+    from dllm.runner import wide_gemm as wg
+
+    env = environment()
+    dt, h, i = torch.bfloat16, 4096, 12288
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=dt, generator=g) * scale
+
+    layers = [(rand(h, h, scale=h**-0.5), rand(2 * i, h, scale=h**-0.5),
+               rand(h, i, scale=i**-0.5), rand(h, scale=0.1) + 1, rand(h, scale=0.1) + 1)
+              for _ in range(COPIES)]
+    eps = 1e-6
+
+    def ref(a, r, w):  # a: attention output; r: the stream before attention
+        wo, wgu, wd, n1, n2 = w
+        y = F.linear(a, wo)
+        flashinfer.norm.fused_add_rmsnorm(y, r, n1, eps)  # r = s, y = rms_norm(s) * n1
+        act = flashinfer.activation.silu_and_mul(F.linear(y, wgu))
+        d = F.linear(act, wd)
+        flashinfer.norm.fused_add_rmsnorm(d, r, n2, eps)
+        return d
+
+    def wide(a, r, w, down=True):
+        wo, wgu, wd, n1, n2 = w
+        s, scaled, ss = wg.linear_residual(a, wo, r, n1)
+        act = wg.gate_up_silu(scaled, wgu, ss, eps)
+        if down:
+            s2, _, _ = wg.linear_residual(act, wd, s, n2)
+            return flashinfer.norm.rmsnorm(s2, n2, eps)
+        d = F.linear(act, wd)
+        flashinfer.norm.fused_add_rmsnorm(d, s, n2, eps)
+        return d
+
+    forms = {"cuBLAS + FlashInfer": ref, "wide": wide,
+             "wide, cuBLAS down": lambda a, r, w: wide(a, r, w, down=False)}
+    rows = []
+    for m in tokens:
+        a, r0 = rand(m, h), rand(m, h)
+        base = None
+        for name, fn in forms.items():
+            r = r0.clone()
+            us = rotating_us(lambda w, fn=fn, a=a, r=r: fn(a, r, w), layers, CALLS)
+            r.copy_(r0)
+            got = fn(a, r, layers[0]).float()
+            r.copy_(r0)
+            want = ref(a, r, layers[0]).float()
+            err = ((got - want).norm() / want.norm()).item()
+            base = base or us
+            rows.append(dict(tokens=m, form=name, us=us, vs_ref=us / base, err=err))
+            print(f"{m:5d} {name:>22}: {us:7.1f} µs a layer, {us / base:.3f}×, err {err:.1e}",
+                  flush=True)
+    lines = [f"# o_proj + MLP chain a layer ({env['gpu']}, torch {env['torch']}, triton "
+             f"{env['triton']}, flashinfer {env['flashinfer']})", "",
+             f"Median of CUDA-graph replays of {CALLS} layers over {COPIES} weight copies; "
+             "err: relative to the cuBLAS chain's output.", "",
+             "| tokens | form | µs a layer | × cuBLAS chain | err |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['form']} | {r['us']:.1f} | {r['vs_ref']:.3f} | "
+              f"{r['err']:.1e} |" for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    print(f"wrote {write_report(out, 'wide-chain', text, dict(env=env, rows=rows))}")
+    return 1 if any(not r["err"] < 2e-2 for r in rows) else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
+    ap.add_argument("--chain", default="",
+                    help="comma-separated token counts: time the runtime's o_proj + MLP chain "
+                    "(cuBLAS + FlashInfer against dllm.runner.wide_gemm) instead")
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
+    if args.chain:
+        return chain(args.out, [int(t) for t in args.chain.split(",")])
     triton.set_allocator(_alloc)
     env = environment()
     dt = torch.bfloat16

@@ -13,6 +13,9 @@ RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``)
 weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
 for some of those shapes and adds a reduction kernel) that also takes the residual add +
 RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after gate/up.
+From ``wide_gemm.MIN_M`` tokens (the batch-128 step) the o_proj and down projections and the
+gate/up projection are ``dllm.runner.wide_gemm``'s kernels with the same fused neighbours
+(q/k/v stays with cuBLAS, after a plain RMSNorm of the stream).
 """
 
 from __future__ import annotations
@@ -101,10 +104,11 @@ class TritonOps(FlashInferOps):
 
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
         super().__init__(model, max_positions, device)
-        from dllm.runner import fused_qkv, skinny_gemm
+        from dllm.runner import fused_qkv, skinny_gemm, wide_gemm
 
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
+        self._wide = wide_gemm
         # The residual steps in the skinny GEMMs' epilogues (``linear_residual``);
         # ``DLLM_FUSE_RESIDUAL=0`` keeps them as separate add + RMSNorm kernels (A/B runs).
         self.fuse_residual = os.environ.get("DLLM_FUSE_RESIDUAL", "1") != "0"
@@ -129,15 +133,24 @@ class TritonOps(FlashInferOps):
             y = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, silu=fused,
                                          pdl=self.pdl)
             return (y if fused else self.silu_and_mul(y)), x.stream
-        return super().norm_gate_up(x, residual, weight, eps, gate_up)
+        if (isinstance(x, PreNormed) and x.weight is weight
+                and self._wide.supports_gate_up(x.scaled, w, b, x.sum_sq)):
+            return self._wide.gate_up_silu(x.scaled, w, x.sum_sq, eps), x.stream
+        h, s = self.pre_norm(x, residual, weight, eps)
+        if self._wide.supports_gate_up(h, w, b):
+            return self._wide.gate_up_silu(h, w), s
+        return self.silu_and_mul(self.linear(h, gate_up)), s
 
     def linear_residual(self, x, layer, residual, next_weight, eps):
         w, b = layer.weight, getattr(layer, "bias", None)
-        if (self.fuse_residual and isinstance(residual, torch.Tensor)
-                and self._gemm.supports_residual(x, w, b, residual, next_weight)):
-            s, scaled, sum_sq = self._gemm.skinny_linear_residual(x, w, b, residual,
-                                                                   next_weight, pdl=self.pdl)
-            return PreNormed(s, scaled, sum_sq, next_weight), None
+        if self.fuse_residual and isinstance(residual, torch.Tensor):
+            if self._gemm.supports_residual(x, w, b, residual, next_weight):
+                s, scaled, sum_sq = self._gemm.skinny_linear_residual(
+                    x, w, b, residual, next_weight, pdl=self.pdl)
+                return PreNormed(s, scaled, sum_sq, next_weight), None
+            if self._wide.supports_residual(x, w, b, residual, next_weight):
+                s, scaled, sum_sq = self._wide.linear_residual(x, w, residual, next_weight)
+                return PreNormed(s, scaled, sum_sq, next_weight), None
         return super().linear_residual(x, layer, residual, next_weight, eps)
 
     def _takes(self, x, norm_weight, w, b) -> bool:

@@ -157,6 +157,28 @@ def test_graph_captured_on_first_use_equals_eager(sdar_gpu):
     assert got == [o.token_ids for o in eager.generate(prompts(5), params * 2 + params[:1])]
 
 
+def test_cuda_graph_equals_eager_wide_steps(sdar_gpu):
+    """72 requests of block 4: the denoise steps run 288 rows (and the prompt chunks more),
+    past ``wide_gemm.MIN_M``, so o_proj, gate/up and down are the wide GEMMs with the
+    residual step and SiLU in their epilogues (the tiny model's 256 hidden and 128
+    intermediate columns fit their tiles); graph replays equal eager steps token for token.
+    Both run the overlapped schedule (the same batches, see above)."""
+    from dllm.runner import wide_gemm
+
+    n, block = 72, 4
+    assert n * block >= wide_gemm.MIN_M
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=n, block_size=block, algorithm="low_confidence_static")
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, seed=i,
+                             temperature=0.7 * (i % 2)) for i in range(n)]
+    graph = LLM(sdar_gpu, **kw)
+    got = [o.token_ids for o in graph.generate(prompts(n), params)]
+    eager = LLM(sdar_gpu, disable_cuda_graph=True, overlap_schedule=True, **kw)
+    assert got == [o.token_ids for o in eager.generate(prompts(n), params)]
+    assert all(len(t) == 8 for t in got)
+    graph.engine.check_memory()
+
+
 def test_cuda_graph_equals_eager_decode(tmp_path):
     path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=0, hidden_size=256,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128))
@@ -271,11 +293,13 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
     adds the residual and half-normalises for the next norm (``linear_residual`` →
     ``PreNormed``), a SwiGLU MLP that finishes the norm in its gate/up GEMM with SiLU in the
     epilogue, and a q/k/v-like projection, against the float32 reference ops, at 1-16 rows
-    (fused) and 37 rows (reference path); and a ``PreNormed`` handed to another norm falls
-    back to the reference norm of its stream."""
+    (fused in the skinny GEMM), 37 rows (reference path) and 300 rows (fused in the wide
+    GEMMs); and a ``PreNormed`` handed to another norm falls back to the reference norm of
+    its stream."""
     pytest.importorskip("triton")
     from dllm.models.layers import RMSNorm, SwiGLUMLP
     from dllm.models.ops import TORCH_OPS, PreNormed, install_ops
+    from dllm.runner import wide_gemm
     from dllm.runner.kernels import TritonOps
 
     dev = torch.device("cuda")
@@ -306,12 +330,13 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
         other, _ = o.norm_linear(*step(b.norm.weight), b.other.weight, eps, b.qkv)
         return first, out, stream, qkv, stream2, other
 
-    for m in (1, 4, 16, 37):
+    assert wide_gemm.MIN_M <= 300
+    for m in (1, 4, 16, 37, 300):
         x = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         res = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         pending, out, stream, qkv, stream2, other = run(block, x, res)
         _, r_out, r_stream, r_qkv, _, r_other = run(ref, x.float(), res.float())
-        assert isinstance(pending[0], PreNormed) == (m <= 16)
+        assert isinstance(pending[0], PreNormed) == (m != 37)
         assert torch.equal(stream, stream2)
         for got, want in ((out, r_out), (stream, r_stream), (qkv, r_qkv), (other, r_other)):
             assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
