@@ -117,6 +117,27 @@ def _gemm_persistent_kernel(x_ptr, w_ptr, y_ptr, M, N, K, NUM_PROGRAMS: tl.const
 FORMS = ("pointers", "tma", "persistent", "persistent-ws")
 
 
+@triton.jit
+def _two_dot_kernel(x_desc, w_desc, y_desc, M, N, tiles, NUM_PROGRAMS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, K_TILES: tl.constexpr, SILU: tl.constexpr):
+    """gate/up as two 128-column dots a K step (host descriptors), TMA store of
+    ``silu(gate) * up`` (SILU) or of ``gate + up``: which part of the runtime kernel costs."""
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(K_TILES):
+            a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
+            acc = tl.dot(a, w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K]).T, acc)
+            acc_up = tl.dot(a, w_desc.load([N + pid_n * BLOCK_N, kt * BLOCK_K]).T, acc_up)
+        if SILU:
+            y = acc / (1.0 + tl.exp(-acc)) * acc_up
+        else:
+            y = acc + acc_up
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y.to(y_desc.dtype))
+
+
 def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (``triton.set_allocator``)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -155,6 +176,83 @@ def configs() -> list[dict]:
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages,
                         num_warps=warps, GROUP_M=group))
     return out
+
+
+def variants(out: str, m: int) -> int:
+    """Where the runtime's wide kernels lose time against the plain tiles, at ``m`` rows:
+    gate/up (plain persistent 128 x 256; two dots with a TMA store, with and without SiLU;
+    the runtime kernel at 3 and 4 stages, without and with the norm's row scale) and the
+    o_proj / down residual kernel (the plain pointer tile; the runtime kernel at 4 and 8
+    warps, 4 and 5 stages)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from dllm.runner import wide_gemm as wg
+
+    env = environment()
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+
+    def record(shape, name, fn, ws):
+        us = rotating_us(fn, ws, CALLS)
+        rows.append(dict(shape=shape, form=name, us=us))
+        print(f"{shape:>8} {name:>34}: {us:7.1f} µs", flush=True)
+
+    n2, k = SHAPES["gate_up"]
+    ws = [torch.randn(n2, k, device="cuda", dtype=dt, generator=g) * k**-0.5
+          for _ in range(COPIES)]
+    x = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+    ss = torch.rand(k // wg.BLOCK_N, m, device="cuda", generator=g) * k
+    plain = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=3, num_warps=8, GROUP_M=8)
+    record("gate_up", "plain persistent 128x256 s3", lambda w: gemm(x, w, plain, "persistent"),
+           ws)
+    n = n2 // 2
+    tiles = triton.cdiv(m, 128) * (n // 128)
+    programs = min(tiles, env["sms"])
+
+    def two_dot(w, silu, stages=3):
+        y = torch.empty((m, n), device="cuda", dtype=dt)
+        _two_dot_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x, [128, 64]), TensorDescriptor.from_tensor(w, [128, 64]),
+            TensorDescriptor.from_tensor(y, [128, 128]), m, n, tiles, NUM_PROGRAMS=programs,
+            BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, K_TILES=k // 64, SILU=silu,
+            num_warps=8, num_stages=stages)
+        return y
+
+    for silu in (False, True):
+        for stages in (3, 4):
+            record("gate_up", f"two dots, TMA store, silu {silu} s{stages}",
+                   lambda w, silu=silu, stages=stages: two_dot(w, silu, stages), ws)
+    for stages in (3, 4):
+        wg.SILU_STAGES = stages
+        record("gate_up", f"runtime s{stages}", lambda w: wg.gate_up_silu(x, w), ws)
+        record("gate_up", f"runtime s{stages} + row scale",
+               lambda w: wg.gate_up_silu(x, w, ss, 1e-6), ws)
+    wg.SILU_STAGES = 3
+    del ws
+    for shape in ("o_proj", "down"):
+        n, k = SHAPES[shape]
+        ws = [torch.randn(n, k, device="cuda", dtype=dt, generator=g) * k**-0.5
+              for _ in range(COPIES)]
+        x = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+        r = torch.randn(m, n, device="cuda", dtype=dt, generator=g)
+        nw = torch.ones(n, device="cuda", dtype=dt)
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5, num_warps=4, GROUP_M=8)
+        record(shape, "plain pointers 128x128 s5 w4",
+               lambda w, x=x, cfg=cfg: gemm(x, w, cfg, "pointers"), ws)
+        for warps, stages in ((4, 5), (8, 5), (4, 4), (8, 4)):
+            wg.RESIDUAL_WARPS, wg.RESIDUAL_STAGES = warps, stages
+            record(shape, f"runtime residual s{stages} w{warps}",
+                   lambda w, x=x, r=r, nw=nw: wg.linear_residual(x, w, r, nw), ws)
+        wg.RESIDUAL_WARPS, wg.RESIDUAL_STAGES = 4, 5
+        del ws
+    lines = [f"# Wide kernel variants at {m} tokens ({env['gpu']}, triton {env['triton']})", "",
+             "| shape | form | µs |", "|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['form']} | {r['us']:.1f} |" for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    print(f"wrote {write_report(out, 'wide-variants', text, dict(env=env, rows=rows))}")
+    return 0
 
 
 def chain(out: str, tokens: list[int]) -> int:
@@ -238,12 +336,16 @@ def main() -> int:
     ap.add_argument("--chain", default="",
                     help="comma-separated token counts: time the runtime's o_proj + MLP chain "
                     "(cuBLAS + FlashInfer against dllm.runner.wide_gemm) instead")
+    ap.add_argument("--variants", action="store_true",
+                    help="time variants of the runtime's wide kernels at --tokens instead")
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
+    triton.set_allocator(_alloc)
+    if args.variants:
+        return variants(args.out, args.tokens)
     if args.chain:
         return chain(args.out, [int(t) for t in args.chain.split(",")])
-    triton.set_allocator(_alloc)
     env = environment()
     dt = torch.bfloat16
     m = args.tokens
