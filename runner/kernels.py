@@ -13,9 +13,9 @@ RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``)
 weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
 for some of those shapes and adds a reduction kernel) that also takes the residual add +
 RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after gate/up.
-From ``wide_gemm.MIN_M`` tokens (the batch-128 step) the o_proj and down projections and the
-gate/up projection are ``dllm.runner.wide_gemm``'s kernels with the same fused neighbours
-(q/k/v stays with cuBLAS, after a plain RMSNorm of the stream).
+From ``wide_gemm.MIN_M`` tokens (the batch-128 step) o_proj and gate/up are
+``dllm.runner.wide_gemm``'s kernels with the same fused neighbours (q/k/v and down stay with
+cuBLAS and FlashInfer's add + RMSNorm).
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ class TritonOps(FlashInferOps):
                 s, scaled, sum_sq = self._gemm.skinny_linear_residual(
                     x, w, b, residual, next_weight, pdl=self.pdl)
                 return PreNormed(s, scaled, sum_sq, next_weight), None
-            if self._wide.supports_residual(x, w, b, residual, next_weight):
+            if (self._wide.supports_residual(x, w, b, residual, next_weight)
+                    and self._wide.residual_pays(*w.shape)):
                 s, scaled, sum_sq = self._wide.linear_residual(x, w, residual, next_weight)
                 return PreNormed(s, scaled, sum_sq, next_weight), None
         return super().linear_residual(x, layer, residual, next_weight, eps)

@@ -8,14 +8,15 @@ kernel, which the GPU idles 4 µs behind (SDAR-8B batch 128: 0.43 + 0.21 + 0.15 
 Two Triton kernels take them in, the same two fusions as the skinny GEMM's
 (``dllm.runner.skinny_gemm``) with the same contract (``PreNormed``), for M >= ``MIN_M``:
 
-* ``linear_residual`` (o_proj, down): ``y = x @ W.T`` over a grid of 128 x 128 tiles
-  (pointer loads, 5 stages), with the epilogue of the skinny producer: the stream
-  ``s = residual + y``, ``scaled = s * norm_weight`` (each rounded as the reference rounds)
-  and each tile's float32 partial sums of ``s²``, ``[N / 128, M]``.
+* ``linear_residual`` (o_proj; ``residual_pays`` says for which shapes): ``y = x @ W.T``
+  over a grid of 128 x 128 tiles (pointer loads, 5 stages), with the epilogue of the skinny
+  producer: the stream ``s = residual + y``, ``scaled = s * norm_weight`` (each rounded as
+  the reference rounds) and each tile's float32 partial sums of ``s²``, ``[N / 128, M]``.
 * ``gate_up_silu``: the fused ``[gate; up]`` projection as one persistent program an SM
-  walking 128-row x (128 gate + 128 up)-column tiles through TMA loads; given the producer's
-  partial sums it scales the float32 accumulators by ``1 / rms(s)`` (summing the partials
-  in a fixed order) and writes ``silu(gate) * up`` rounded once.
+  walking 128-row x (128 gate + 128 up)-column tiles, both halves brought by one TMA load
+  into one MMA; given the producer's partial sums it scales the float32 accumulator by
+  ``1 / rms(s)`` (summing the partials in a fixed order) and writes ``silu(gate) * up``
+  rounded once.
 
 **Measured** (H200, 512 rows, CUDA-graph replay, weights rotated through > L2;
 ``bench/wide_gemm.py``, wide-gemm-20261130-030420): the plain forms of these tiles against
@@ -39,8 +40,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["MIN_M", "gate_up_silu", "linear_residual", "supports", "supports_gate_up",
-           "supports_residual"]
+__all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "supports",
+           "supports_gate_up", "supports_residual"]
 
 # Fewest rows the wide kernels take (``DLLM_WIDE_MIN_TOKENS``); below, cuBLAS and the
 # separate kernels (from 17 rows) or the skinny GEMM (to 16).
@@ -101,14 +102,15 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for kt in range(K_TILES):
         a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
-        g = w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
-        u = w_desc.load([N + pid_n * BLOCK_N, kt * BLOCK_K])
-        acc = tl.dot(a, g.T, acc)
-        acc_up = tl.dot(a, u.T, acc_up)
+        # w_desc views W as [2, N, K] (its gate and up halves): one TMA load brings BLOCK_N
+        # gate rows and the matching up rows, which stay in shared memory as one
+        # [2 * BLOCK_N, BLOCK_K] operand of one MMA (two MMAs of BLOCK_N columns measured
+        # 170-180 µs against 136 for the 8B gate/up at 512 rows, wide-variants-20261130-031554).
+        w = w_desc.load([0, pid_n * BLOCK_N, kt * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, w.T, acc)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rm < M
@@ -117,10 +119,11 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
         ss = tl.sum(tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
                             mask=(rp[:, None] < SS_PARTS) & row_ok[None, :], other=0.0),
                     axis=0)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = acc * rstd[:, None]
-        acc_up = acc_up * rstd[:, None]
-    y = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    # Columns [gate | up] to two tiles: each thread holds a column and the one BLOCK_N
+    # further in the MMA's layout, so this moves no data.
+    gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+    y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -132,7 +135,7 @@ def _gate_up_kernel(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr):
     # W is [gate; up], 2N rows, N a multiple of BLOCK_N: each tile multiplies by BLOCK_N gate
-    # rows and the matching up rows. SS_PARTS > 0: x is s * norm_weight (rounded) and ss the
+    # rows and the matching up rows (w_desc: W as [2, N, K]). SS_PARTS > 0: x is s * norm_weight (rounded) and ss the
     # producer's [SS_PARTS, M] partial sums of s^2. ``tiles``: ceil(M / BLOCK_M) * N / BLOCK_N.
     # PERSISTENT (the GPU): NUM_PROGRAMS programs walk the tiles, and Triton pipelines the
     # loads across tile boundaries; else (the interpreter, which cannot loop to a run-time
@@ -171,6 +174,15 @@ def supports_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             and residual.device == x.device and residual.is_contiguous()
             and norm_weight.shape == (n,) and norm_weight.dtype == x.dtype
             and norm_weight.device == x.device and norm_weight.is_contiguous())
+
+
+def residual_pays(n: int, k: int) -> bool:
+    """Whether ``linear_residual`` beats cuBLAS + the separate add + RMSNorm for an ``[n, k]``
+    weight in the decoder: for o_proj (K = N; its consumer, gate/up, finishes the norm in its
+    epilogue) 27.7 µs against 24.4 + 5.9; not for down (K = 3N; its consumer, q/k/v, stays
+    with cuBLAS and needs a plain RMSNorm of the stream): 72.3 + 4.0 against 68.1 + 5.9 (8B
+    shapes at 512 rows, wide-variants-20261130-031554 and the profile of that step)."""
+    return k <= n
 
 
 def supports_gate_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -226,7 +238,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | N
     n = weight.shape[0] // 2
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K])
-    w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K])
+    w_desc = TensorDescriptor(weight, [2, n, k], [n * k, k, 1], [2, BLOCK_N, BLOCK_K])
     tiles = triton.cdiv(m, BLOCK_M) * (n // BLOCK_N)
     programs = _programs(x.device, tiles)
     parts = 0 if sum_sq is None else sum_sq.shape[0]
