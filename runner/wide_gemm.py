@@ -45,12 +45,12 @@ __all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "support
 
 # Fewest rows the wide kernels take (``DLLM_WIDE_MIN_TOKENS``); below, cuBLAS and the
 # separate kernels (from 17 rows) or the skinny GEMM (to 16).
-MIN_M = int(os.environ.get("DLLM_WIDE_MIN_TOKENS", "256"))
+MIN_M = int(os.environ.get("DLLM_WIDE_MIN_TOKENS", "512"))
 _HALF = (torch.float16, torch.bfloat16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
 RESIDUAL_WARPS, RESIDUAL_STAGES = 4, 5
-SILU_WARPS, SILU_STAGES = 8, 3
+SILU_WARPS, SILU_STAGES = 8, 4
 
 
 @triton.jit
@@ -102,6 +102,17 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < M
+    if SS_PARTS > 0:
+        # The row scale first, so that its loads overlap the main loop's (in the epilogue
+        # they cost 4-6 µs a call at 512 rows, wide-variants-20261130-032210).
+        rp = tl.arange(0, SS_BLOCK)
+        ss = tl.sum(tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
+                            mask=(rp[:, None] < SS_PARTS) & row_ok[None, :], other=0.0),
+                    axis=0)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     for kt in range(K_TILES):
         a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
@@ -111,15 +122,8 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
         # 170-180 µs against 136 for the 8B gate/up at 512 rows, wide-variants-20261130-031554).
         w = w_desc.load([0, pid_n * BLOCK_N, kt * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
         acc = tl.dot(a, w.T, acc)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rm < M
     if SS_PARTS > 0:
-        rp = tl.arange(0, SS_BLOCK)
-        ss = tl.sum(tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
-                            mask=(rp[:, None] < SS_PARTS) & row_ok[None, :], other=0.0),
-                    axis=0)
-        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+        acc = acc * rstd[:, None]
     # Columns [gate | up] to two tiles: each thread holds a column and the one BLOCK_N
     # further in the MMA's layout, so this moves no data.
     gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()

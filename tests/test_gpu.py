@@ -158,14 +158,14 @@ def test_graph_captured_on_first_use_equals_eager(sdar_gpu):
 
 
 def test_cuda_graph_equals_eager_wide_steps(sdar_gpu):
-    """72 requests of block 4: the denoise steps run 288 rows (and the prompt chunks more),
-    past ``wide_gemm.MIN_M``, so o_proj, gate/up and down are the wide GEMMs with the
-    residual step and SiLU in their epilogues (the tiny model's 256 hidden and 128
-    intermediate columns fit their tiles); graph replays equal eager steps token for token.
-    Both run the overlapped schedule (the same batches, see above)."""
+    """128 requests of block 4: the denoise steps run 512 rows (and the prompt chunks more),
+    ``wide_gemm.MIN_M``, so o_proj and gate/up are the wide GEMMs with the residual step and
+    SiLU in their epilogues (the tiny model's 256 hidden and 128 intermediate columns fit
+    their tiles); graph replays equal eager steps token for token. Both run the overlapped
+    schedule (the same batches, see above)."""
     from dllm.runner import wide_gemm
 
-    n, block = 72, 4
+    n, block = 128, 4
     assert n * block >= wide_gemm.MIN_M
     kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
               max_running_requests=n, block_size=block, algorithm="low_confidence_static")
@@ -293,7 +293,7 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
     adds the residual and half-normalises for the next norm (``linear_residual`` →
     ``PreNormed``), a SwiGLU MLP that finishes the norm in its gate/up GEMM with SiLU in the
     epilogue, and a q/k/v-like projection, against the float32 reference ops, at 1-16 rows
-    (fused in the skinny GEMM), 37 rows (reference path) and 300 rows (fused in the wide
+    (fused in the skinny GEMM), 37 rows (reference path) and 512 rows (fused in the wide
     GEMMs); and a ``PreNormed`` handed to another norm falls back to the reference norm of
     its stream."""
     pytest.importorskip("triton")
@@ -330,8 +330,8 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
         other, _ = o.norm_linear(*step(b.norm.weight), b.other.weight, eps, b.qkv)
         return first, out, stream, qkv, stream2, other
 
-    assert wide_gemm.MIN_M <= 300
-    for m in (1, 4, 16, 37, 300):
+    assert wide_gemm.MIN_M <= 512
+    for m in (1, 4, 16, 37, 512):
         x = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         res = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         pending, out, stream, qkv, stream2, other = run(block, x, res)
