@@ -36,8 +36,9 @@ def wg():
 
 
 def _rand(*shape, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(DEV, DTYPE)
+    """Normal values made on the device (the 8B shapes' weights are 100M elements)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(DTYPE)
 
 
 def _layer(seed: int):
