@@ -71,16 +71,24 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_
 
 
 @triton.jit
+def _descriptors(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Device-side TMA descriptors of x ``[M, K]``, W ``[N, K]`` and y ``[M, N]``."""
+    return (tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                      block_shape=[BLOCK_M, BLOCK_K]),
+            tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                      block_shape=[BLOCK_N, BLOCK_K]),
+            tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
+                                      block_shape=[BLOCK_M, BLOCK_N]))
+
+
+@triton.jit
 def _gemm_tma_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      K_TILES: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])
-    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
+    x_desc, w_desc, y_desc = _descriptors(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(K_TILES):  # K = K_TILES * BLOCK_K
         a = x_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])
@@ -96,12 +104,8 @@ def _gemm_persistent_kernel(x_ptr, w_ptr, y_ptr, M, N, K, NUM_PROGRAMS: tl.const
                             K_TILES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """One program an SM walking the tiles (TMA loads; with ``WARP_SPECIALIZE`` Triton
     splits the loads and the MMAs into producer and consumer warps)."""
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])
-    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
+    x_desc, w_desc, y_desc = _descriptors(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
