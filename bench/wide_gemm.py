@@ -227,12 +227,13 @@ def variants(out: str, m: int) -> int:
         for stages in (3, 4):
             record("gate_up", f"two dots, TMA store, silu {silu} s{stages}",
                    lambda w, silu=silu, stages=stages: two_dot(w, silu, stages), ws)
+    default_stages = wg.SILU_STAGES
     for stages in (3, 4):
         wg.SILU_STAGES = stages
         record("gate_up", f"runtime s{stages}", lambda w: wg.gate_up_silu(x, w), ws)
         record("gate_up", f"runtime s{stages} + row scale",
                lambda w: wg.gate_up_silu(x, w, ss, 1e-6), ws)
-    wg.SILU_STAGES = 3
+    wg.SILU_STAGES = default_stages
     del ws
     for shape in ("o_proj", "down"):
         n, k = SHAPES[shape]
@@ -242,13 +243,14 @@ def variants(out: str, m: int) -> int:
         r = torch.randn(m, n, device="cuda", dtype=dt, generator=g)
         nw = torch.ones(n, device="cuda", dtype=dt)
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5, num_warps=4, GROUP_M=8)
+        default_residual = wg.RESIDUAL_WARPS, wg.RESIDUAL_STAGES
         record(shape, "plain pointers 128x128 s5 w4",
                lambda w, x=x, cfg=cfg: gemm(x, w, cfg, "pointers"), ws)
         for warps, stages in ((4, 5), (8, 5), (4, 4), (8, 4)):
             wg.RESIDUAL_WARPS, wg.RESIDUAL_STAGES = warps, stages
             record(shape, f"runtime residual s{stages} w{warps}",
                    lambda w, x=x, r=r, nw=nw: wg.linear_residual(x, w, r, nw), ws)
-        wg.RESIDUAL_WARPS, wg.RESIDUAL_STAGES = 4, 5
+        wg.RESIDUAL_WARPS, wg.RESIDUAL_STAGES = default_residual
         del ws
     lines = [f"# Wide kernel variants at {m} tokens ({env['gpu']}, triton {env['triton']})", "",
              "| shape | form | µs |", "|---|---|---|"]

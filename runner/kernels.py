@@ -13,9 +13,11 @@ RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``)
 weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
 for some of those shapes and adds a reduction kernel) that also takes the residual add +
 RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after gate/up.
-From ``wide_gemm.MIN_M`` tokens (the batch-128 step) o_proj and gate/up are
-``dllm.runner.wide_gemm``'s kernels with the same fused neighbours (q/k/v and down stay with
-cuBLAS and FlashInfer's add + RMSNorm).
+From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the output projections
+whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
+``dllm.runner.wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real
+models, whose MLP is wider than the hidden size) down stay with cuBLAS and FlashInfer's add +
+RMSNorm.
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ class TritonOps(FlashInferOps):
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
         self._wide = wide_gemm
-        # The residual steps in the skinny GEMMs' epilogues (``linear_residual``);
-        # ``DLLM_FUSE_RESIDUAL=0`` keeps them as separate add + RMSNorm kernels (A/B runs).
+        # The residual steps in the skinny and wide GEMMs' epilogues (``linear_residual``);
+        # ``DLLM_FUSE_RESIDUAL=0`` keeps them as separate add + RMSNorm kernels (A/B runs; the
+        # wide gate/up keeps SiLU-and-mul in its epilogue either way).
         self.fuse_residual = os.environ.get("DLLM_FUSE_RESIDUAL", "1") != "0"
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:

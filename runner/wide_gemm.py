@@ -141,9 +141,10 @@ def _gate_up_kernel(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile
     # W is [gate; up], 2N rows, N a multiple of BLOCK_N: each tile multiplies by BLOCK_N gate
     # rows and the matching up rows (w_desc: W as [2, N, K]). SS_PARTS > 0: x is s * norm_weight (rounded) and ss the
     # producer's [SS_PARTS, M] partial sums of s^2. ``tiles``: ceil(M / BLOCK_M) * N / BLOCK_N.
-    # PERSISTENT (the GPU): NUM_PROGRAMS programs walk the tiles, and Triton pipelines the
-    # loads across tile boundaries; else (the interpreter, which cannot loop to a run-time
-    # bound) one program a tile.
+    # PERSISTENT (the GPU): program p takes the tiles p, p + NUM_PROGRAMS, ... (NUM_PROGRAMS:
+    # the SM count; the grid is that or fewer), and Triton pipelines the loads across tile
+    # boundaries; else (the interpreter, which cannot loop to a run-time bound) one program a
+    # tile.
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
             _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
@@ -223,13 +224,10 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 _SMS: dict[torch.device, int] = {}
 
 
-def _programs(device: torch.device, tiles: int) -> int:
-    """One program an SM (at most one a tile); the interpreter: one a tile."""
-    if _INTERPRET:
-        return tiles
+def _sms(device: torch.device) -> int:
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(tiles, _SMS[device])
+    return _SMS[device]
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | None = None,
@@ -244,11 +242,15 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | N
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K])
     w_desc = TensorDescriptor(weight, [2, n, k], [n * k, k, 1], [2, BLOCK_N, BLOCK_K])
     tiles = triton.cdiv(m, BLOCK_M) * (n // BLOCK_N)
-    programs = _programs(x.device, tiles)
+    # One program an SM, or one a tile where there are fewer tiles; the loop's stride is the
+    # SM count whatever the grid (a program then takes one tile), so that a token count
+    # never compiles a variant of its own. The interpreter: one program a tile.
+    stride = 1 if _INTERPRET else _sms(x.device)
+    programs = tiles if _INTERPRET else min(tiles, stride)
     parts = 0 if sum_sq is None else sum_sq.shape[0]
     _gate_up_kernel[(programs,)](
         x_desc, w_desc, y, sum_sq if sum_sq is not None else y, eps, m, n, k, y.stride(0),
-        tiles, PERSISTENT=not _INTERPRET, NUM_PROGRAMS=programs, K_TILES=k // BLOCK_K, SS_PARTS=parts,
-        SS_BLOCK=max(2, triton.next_power_of_2(parts)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        tiles, PERSISTENT=not _INTERPRET, NUM_PROGRAMS=stride, K_TILES=k // BLOCK_K,
+        SS_PARTS=parts, SS_BLOCK=max(2, triton.next_power_of_2(parts)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_warps=SILU_WARPS, num_stages=SILU_STAGES)
     return y

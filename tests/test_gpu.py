@@ -161,7 +161,8 @@ def test_cuda_graph_equals_eager_wide_steps(sdar_gpu):
     """128 requests of block 4: the denoise steps run 512 rows (and the prompt chunks more),
     ``wide_gemm.MIN_M``, so o_proj and gate/up are the wide GEMMs with the residual step and
     SiLU in their epilogues (the tiny model's 256 hidden and 128 intermediate columns fit
-    their tiles); graph replays equal eager steps token for token. Both run the overlapped
+    their tiles; its MLP is narrower than its hidden size, so down takes the residual kernel
+    too and q/k/v's norm reads the stream); graph replays equal eager steps token for token. Both run the overlapped
     schedule (the same batches, see above)."""
     from dllm.runner import wide_gemm
 
