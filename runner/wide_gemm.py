@@ -22,7 +22,14 @@ Two Triton kernels take them in, the same two fusions as the skinny GEMM's
 ``bench/wide_gemm.py``, wide-gemm-20261130-030420): the plain forms of these tiles against
 cuBLAS: gate/up 138.8 µs vs 136.9 (the persistent TMA form; the best non-persistent one
 150.1), o_proj 25.5 vs 24.4, down 70.9 vs 68.1; qkv 43.0 vs 35.7 (its 48 column tiles leave
-the grid at 1.45 waves), so qkv stays with cuBLAS.
+the grid at 1.45 waves), so qkv stays with cuBLAS. With the fusions
+(wide-variants-20261130-031554 / -033038, wide-chain-20261130-032221): o_proj + residual step
+27.7 µs against 24.4 + 5.9 for cuBLAS and FlashInfer's add + RMSNorm; gate/up + SiLU 134.6-
+152.8 µs across stage counts and machines against 136.9 + ~12 + the memset's 4; the o_proj →
+MLP chain a layer 270.2 µs against 278.3 at 512 rows, 522.8 against 545.0 at 1024, but 177.1
+against 145.5 at 256 (two row tiles: 1.45 waves), hence ``MIN_M`` = 512. SDAR-8B batch 128,
+back to back on one machine: 14.77 ms a step against 15.01 (offline-20261130-032226 /
+-032258).
 
 **Determinism and row independence**: a fixed configuration (no autotuning), no atomics, the
 K order and the partial sums' order fixed; a row's result depends only on that row (rows
