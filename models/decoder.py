@@ -266,9 +266,11 @@ class DecoderLM(UsesOps, nn.Module):
 
     @property
     def supports_cuda_graph(self) -> bool:
-        """False when the forward reads device values on the host (the eager MoE expert loop),
-        which CUDA-graph capture forbids; such models run eagerly."""
-        return not any(isinstance(m, StackedExperts) for m in self.modules())
+        """False when the forward reads device values on the host (the MoE expert loop, where
+        the layer ops do not take the grouped path), which CUDA-graph capture forbids; such
+        models run eagerly."""
+        return not any(isinstance(m, StackedExperts) and not m.ops.grouped_moe
+                       for m in self.modules())
 
     def kv_cache_spec(self) -> KVCacheSpec:
         s = self.attn_spec

@@ -1,9 +1,11 @@
 """Mixture-of-experts pieces: stacked SwiGLU experts and the routers of the supported families.
 
 Routers are pure functions of the router logits, so tests can compare the selected experts with
-a reference directly. ``StackedExperts.forward`` is the exact eager path (one matmul group per
-hit expert, like the HF references); it reads the hit experts on the host, so a fused grouped-GEMM
-kernel should replace it where CUDA graphs capture MoE layers.
+a reference directly. ``StackedExperts.forward_loop`` is the exact eager path (one matmul group
+per hit expert, like the HF references); it reads the hit experts on the host, which CUDA-graph
+capture forbids. ``StackedExperts.forward_grouped`` computes the same sum with static shapes
+and no host read (the token-expert pairs sorted by expert, ``torch.nn.functional.grouped_mm``
+over the experts' row ranges); the layer ops choose between them (``LayerOps.moe_experts``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.layers import SwiGLUMLP
+from dllm.models.ops import UsesOps
+
+# ``torch.nn.functional.grouped_mm`` where torch has it public, else the older private name.
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-class StackedExperts(nn.Module):
+class StackedExperts(UsesOps, nn.Module):
     """``E`` SwiGLU experts, weights stacked on a leading expert axis:
     ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``."""
 
@@ -35,7 +41,15 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]``, ``topk_ids``/``topk_weights`` ``[T, K]`` → ``Σ_k w_k·expert_k(x)``."""
+        """``x`` ``[T, H]``, ``topk_ids``/``topk_weights`` ``[T, K]`` → ``Σ_k w_k·expert_k(x)``,
+        by the path the layer ops choose (``LayerOps.moe_experts``)."""
+        return self.ops.moe_experts(self, x, topk_ids, topk_weights)
+
+    def forward_loop(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> torch.Tensor:
+        """The reference: each hit expert on its tokens, in ascending expert order, summed into
+        the output in ``x``'s dtype (as the HF references). Reads the hit experts on the
+        host."""
         out = torch.zeros_like(x)
         weights = topk_weights.to(x.dtype)
         for e in torch.unique(topk_ids).tolist():  # ascending, as the references loop
@@ -43,6 +57,29 @@ class StackedExperts(nn.Module):
             y = self.expert(e, x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
         return out
+
+    def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+        """The same sum with static shapes and no host read, so a CUDA graph can capture it:
+        the ``T·K`` token-expert pairs sorted by expert (stable: by token, then slot, within
+        an expert), one grouped GEMM each for gate, up and down over the experts' row ranges
+        (an expert without a pair has an empty range), each pair's output scaled by its
+        weight, put back in (token, slot) order and summed over the K slots in float32 (the
+        reference sums in ``x``'s dtype in expert order: the two agree within its rounding).
+        Needs ``grouped_mm`` (bfloat16 on CUDA)."""
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows
+        rows = x[order // k]  # [T·K, H], grouped by expert
+        gate = grouped_mm(rows, self.gate_proj.transpose(1, 2), offs=offs)
+        up = grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+        pairs = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
+        return pairs.view(t, k, -1).float().sum(dim=1).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

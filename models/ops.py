@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from dllm.models.attention import Attention
     from dllm.models.decoder import AttentionSpec
     from dllm.models.layers import RotaryEmbedding
+    from dllm.models.moe import StackedExperts
     from dllm.runner.forward_batch import ForwardBatch
 
 
@@ -52,9 +53,22 @@ class PreNormed(NamedTuple):
 
 
 class LayerOps:
-    """The reference implementation, in plain PyTorch."""
+    """The reference implementation, in plain PyTorch. ``grouped_moe``: MoE experts through
+    the static-shape grouped path (``StackedExperts.forward_grouped``), which CUDA graphs can
+    capture, instead of the per-expert loop."""
 
     name = "torch"
+
+    def __init__(self, grouped_moe: bool = False):
+        self.grouped_moe = grouped_moe
+
+    def moe_experts(self, experts: StackedExperts, x: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        """``Σ_k w_k · expert_{id_k}(x)`` of routed tokens ``x`` ``[T, H]`` over ``[T, K]``
+        expert ids and weights."""
+        if self.grouped_moe:
+            return experts.forward_grouped(x, topk_ids, topk_weights)
+        return experts.forward_loop(x, topk_ids, topk_weights)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * x / rms(x)`` over the last axis, the statistics in float32 (as the HF

@@ -50,10 +50,23 @@ def pdl_enabled(device: torch.device) -> bool:
     return device_support_pdl(device) and os.environ.get("DLLM_PDL") == "1"
 
 
+def grouped_moe_enabled(model: nn.Module) -> bool:
+    """MoE experts through ``StackedExperts.forward_grouped`` (static shapes, so CUDA graphs
+    capture MoE models): opt-in with ``DLLM_MOE_GROUPED=1`` until it has run on a GPU
+    (written and tested on the CPU in session 7; torch's ``grouped_mm`` takes bfloat16 on
+    CUDA)."""
+    from dllm.models.moe import StackedExperts, grouped_mm
+
+    experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    return (os.environ.get("DLLM_MOE_GROUPED") == "1" and grouped_mm is not None
+            and bool(experts) and all(m.gate_proj.dtype == torch.bfloat16 for m in experts))
+
+
 class FlashInferOps(LayerOps):
     name = "flashinfer"
 
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
+        super().__init__(grouped_moe=grouped_moe_enabled(model))
         self.pdl = pdl_enabled(device)  # decided once, not per call
         # One cos/sin table per distinct rotary spec (every layer of a model shares one).
         self.cos_sin: dict[object, torch.Tensor] = {}

@@ -171,3 +171,44 @@ def test_llada2_group_limit_restricts_choice(ckpt: Path) -> None:
     _, ids = moe.route(x)
     groups = ids // 2  # 8 experts in 4 groups of 2
     assert all(len(set(row)) <= 2 for row in groups.tolist())
+
+
+@pytest.mark.parametrize("kind", [AttentionMask.BLOCK_CAUSAL, AttentionMask.FULL])
+def test_llada2_grouped_experts_match_naive_reference(ckpt: Path, kind: AttentionMask) -> None:
+    """The static-shape expert path (``StackedExperts.forward_grouped``: pairs sorted by
+    expert, ``grouped_mm`` over their row ranges, no host read), installed through the layer
+    ops, gives the reference logits; the model then reports that CUDA graphs can capture it."""
+    from dllm.models.ops import TORCH_OPS, LayerOps, install_ops
+
+    model, _, _ = load_model(ckpt)
+    assert not model.supports_cuda_graph  # the per-expert loop reads ids on the host
+    install_ops(model, LayerOps(grouped_moe=True))
+    assert model.supports_cuda_graph
+    ids = _ids(24, seed=6)
+    idx = torch.arange(24)
+    want = reference_logits(ckpt, ids, visibility(kind, idx, idx, 8))
+    got = forward_full(model, ids, kind, 8)
+    assert (got - want).abs().max().item() < TOL
+    install_ops(model, TORCH_OPS)
+    assert not model.supports_cuda_graph
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_grouped_experts_equal_the_loop(ckpt: Path, tokens: int) -> None:
+    """Direct: random routes where some experts get no token, the same ids twice in a row
+    allowed; float32 (to the loop's rounding) and bfloat16 (within its rounding)."""
+    model, _, _ = load_model(ckpt)
+    experts = model.model.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g)
+    k = 3
+    ids = torch.randint(0, experts.num_experts // 2, (tokens, k), generator=g)  # half unused
+    weights = torch.rand(tokens, k, generator=g)
+    want = experts.forward_loop(x, ids, weights)
+    assert torch.allclose(experts.forward_grouped(x, ids, weights), want, atol=1e-5)
+    experts.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    got = experts.forward_grouped(xb, ids, weights)
+    ref = experts.forward_loop(xb, ids, weights)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
