@@ -73,10 +73,12 @@ class StackedExperts(UsesOps, nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows
-        rows = x[order // k]  # [T·K, H], grouped by expert
+        # [T·K + 1, H], grouped by expert, plus one spare row past the last expert's range
+        # (grouped_mm documents offs[-1] as strictly below the rows; the spare is ignored).
+        rows = x[torch.cat([order // k, order.new_zeros(1)])]
         gate = grouped_mm(rows, self.gate_proj.transpose(1, 2), offs=offs)
         up = grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)
-        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)[: t * k]
         y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
         pairs = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
         return pairs.view(t, k, -1).float().sum(dim=1).to(x.dtype)
