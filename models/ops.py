@@ -58,6 +58,7 @@ class LayerOps:
     capture, instead of the per-expert loop."""
 
     name = "torch"
+    grouped_moe = False
 
     def __init__(self, grouped_moe: bool = False):
         self.grouped_moe = grouped_moe
