@@ -32,22 +32,11 @@ import triton
 import triton.language as tl
 from report import environment, require_cuda, rotating_us, write_report
 
+from dllm.runner.wide_gemm import _sms, _tile  # the runtime's tile order
+
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
 CALLS, COPIES = 20, 4
-
-
-@triton.jit
-def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M row tiles sweep the column tiles together (W tiles reused)."""
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -162,7 +151,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, form: str,
     if form == "tma":
         _gemm_tma_kernel[grid](x, w, y, m, n, k, **meta)
     elif form.startswith("persistent"):
-        programs = min(grid[0], torch.cuda.get_device_properties(x.device).multi_processor_count)
+        programs = min(grid[0], _sms(x.device))
         _gemm_persistent_kernel[(programs,)](x, w, y, m, n, k, NUM_PROGRAMS=programs,
                                              WARP_SPECIALIZE=form.endswith("ws"), **meta)
     else:
