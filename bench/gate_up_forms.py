@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, graph_us, require_cuda, write_report
+from report import environment, graph_us, refused, require_cuda, write_report
 
 HIDDEN, INTER, LAYERS = 4096, 12288, 36
 
@@ -137,7 +137,7 @@ def main() -> int:
             with flag(name):
                 us, out = graph_us(step, args.replays)
         except Exception as e:  # noqa: BLE001 (a form this machine refuses)
-            print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            refused(label, e)
             continue
         res = out.float()
         if ref is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import copy_bandwidth, environment, graph_us, require_cuda, write_report
+from report import copy_bandwidth, environment, graph_us, refused, require_cuda, write_report
 
 from dllm.runner import skinny_gemm as sg
 
@@ -96,7 +96,7 @@ def main() -> int:
         try:
             us, out = graph_us(lambda pdl=pdl: chain(weights, x, pdl))
         except Exception as e:  # noqa: BLE001 (a variant the GPU or compiler refuses)
-            print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            refused(f"  {label}", e)
             continue
         finally:
             sg.PREFETCH_BYTES, sg.W_EVICT, sg.PDL_TRIGGER = saved

@@ -105,6 +105,12 @@ def rotating_us(call, weights: list, n_calls: int, replays: int = 20) -> float:
     return us / n_calls
 
 
+def refused(label: str, e: Exception) -> None:
+    """Print that a case failed to run (out of resources, a compile error) in one line, and go
+    on with the next: a benchmark sweep skips what this machine refuses."""
+    print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+
+
 def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import copy_bandwidth, environment, require_cuda, rotating_us, write_report
+from report import copy_bandwidth, environment, refused, require_cuda, rotating_us, write_report
 
 try:
     from dllm.runner import skinny_gemm as sg
@@ -146,8 +146,7 @@ def main() -> int:
                     us = rotating_us(lambda w, x=xs[m], cfg=cfg: sg.skinny_linear(
                         x, w, config=cfg), ws, n_calls)
                 except Exception as e:  # noqa: BLE001 (out of resources, compile errors)
-                    print(f"  {name} {cfg.label()} M={m}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120]}", flush=True)
+                    refused(f"  {name} {cfg.label()} M={m}", e)
                     break
                 ok = err == err and err < 1e-2
                 failures += not ok
@@ -286,8 +285,7 @@ def fused_main(args) -> int:
                 try:
                     err = rel_err(call(ws[0]), ref)
                 except Exception as e:  # noqa: BLE001 (out of resources)
-                    print(f"  {name} M={m} {label}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:100]}", flush=True)
+                    refused(f"  {name} M={m} {label}", e)
                     continue
                 failures += not err < 1e-2
                 us = rotating_us(call, ws, max(20, copies * -(-20 // copies)))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, require_cuda, rotating_us, write_report
+from report import environment, refused, require_cuda, rotating_us, write_report
 
 from dllm.runner.wide_gemm import _sms, _tile  # the runtime's tile order
 
@@ -367,8 +367,7 @@ def main() -> int:
                 us = rotating_us(lambda w, x=x, cfg=cfg, form=form: gemm(x, w, cfg, form), ws,
                                  CALLS)
             except Exception as e:  # noqa: BLE001 (out of resources, say)
-                print(f"  {form} {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
-                      flush=True)
+                refused(f"  {form} {label}", e)
                 continue
             failures += not err < 1e-2
             rows.append(dict(shape=name, form=form, config=label, us=us,
