@@ -80,8 +80,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["CONFIGS", "SILU_CONFIGS", "SkinnyConfig", "config_for", "silu_fused", "skinny_linear",
-           "skinny_linear_residual", "supports", "supports_residual"]
+__all__ = ["CONFIGS", "SILU_CONFIGS", "SkinnyConfig", "config_for", "residual_operands_match",
+           "silu_fused", "skinny_linear", "skinny_linear_residual", "supports",
+           "supports_residual"]
 
 MAX_M = 16
 _HALF = (torch.float16, torch.bfloat16)
@@ -363,12 +364,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def supports_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear_residual`` handles these tensors."""
+    return supports(x, weight, bias) and residual_operands_match(x, weight, residual, norm_weight)
+
+
+def residual_operands_match(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                            norm_weight: torch.Tensor) -> bool:
+    """The residual step's operands of a projection ``x @ weight.T`` (this module's and
+    ``wide_gemm``'s): ``residual`` ``[M, N]`` and ``norm_weight`` ``[N]``, contiguous, on x's
+    device in x's dtype."""
     n = weight.shape[0]
-    return (supports(x, weight, bias) and residual.shape == (x.shape[0], n)
-            and residual.dtype == x.dtype and residual.device == x.device
-            and residual.is_contiguous() and norm_weight.shape == (n,)
-            and norm_weight.dtype == x.dtype and norm_weight.device == x.device
-            and norm_weight.is_contiguous())
+    return (residual.shape == (x.shape[0], n) and residual.dtype == x.dtype
+            and residual.device == x.device and residual.is_contiguous()
+            and norm_weight.shape == (n,) and norm_weight.dtype == x.dtype
+            and norm_weight.device == x.device and norm_weight.is_contiguous())
 
 
 def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -47,6 +47,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from dllm.runner.skinny_gemm import residual_operands_match
+
 __all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "supports",
            "supports_gate_up", "supports_residual"]
 
@@ -180,12 +182,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def supports_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     """Whether ``linear_residual`` takes these tensors."""
-    n = weight.shape[0]
-    return (supports(x, weight, bias) and n % BLOCK_N == 0
-            and residual.shape == (x.shape[0], n) and residual.dtype == x.dtype
-            and residual.device == x.device and residual.is_contiguous()
-            and norm_weight.shape == (n,) and norm_weight.dtype == x.dtype
-            and norm_weight.device == x.device and norm_weight.is_contiguous())
+    return (supports(x, weight, bias) and weight.shape[0] % BLOCK_N == 0
+            and residual_operands_match(x, weight, residual, norm_weight))
 
 
 def residual_pays(n: int, k: int) -> bool:
