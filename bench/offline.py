@@ -13,8 +13,12 @@ before the next step is queued) and the overlapped one (the default on CUDA); ``
 the ratios are the overlapped loop's.
 
 Floors: weight bytes read per step ÷ measured HBM bandwidth (a device-to-device copy), and
-FLOPs per step ÷ measured bf16 matmul rate (8192³). Writes ``bench/results/offline-*.md`` and
-``.json`` with the GPU name, driver, torch and flashinfer versions.
+FLOPs per step ÷ measured bf16 matmul rate (8192³). The matmul rate is the sustained one
+(back to back for 3 s: the GPU's power cap lowers the SM clock under a steady load, and the
+timed steps run in that state; ``SM MHz`` is the clock read during them); the ratio to the
+burst rate (the first 10 matmuls of a cool GPU, at its boost clock) is printed beside it.
+Writes ``bench/results/offline-*.md`` and ``.json`` with the GPU name, driver, torch and
+flashinfer versions.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ import time
 from pathlib import Path
 
 import torch
-from report import copy_bandwidth, environment, require_cuda, stamp, write_report
+from report import (
+    copy_bandwidth,
+    environment,
+    matmul_rates,
+    require_cuda,
+    sm_clock_mhz_async,
+    stamp,
+    write_report,
+)
 
 # Real configs' shapes (config.json keys), the tokenizer comes from the factory.
 SHAPES = {
@@ -51,24 +63,13 @@ SHAPES = {
 
 
 def measure_ceilings() -> dict[str, float]:
-    """HBM bandwidth (bytes read + written by a copy) and the bf16 matmul rate."""
+    """HBM bandwidth (bytes read + written by a copy) and the bf16 matmul rate, sustained
+    (``bf16_flops_per_s``) and burst (see ``report.matmul_rates``)."""
     bw = copy_bandwidth()
-    lhs = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    rhs = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = _time(lambda: lhs @ rhs, 10)
-    torch.cuda.empty_cache()
-    return {"hbm_bytes_per_s": bw, "bf16_flops_per_s": 2 * 8192**3 / mm}
-
-
-def _time(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters
+    mm = matmul_rates()
+    return {"hbm_bytes_per_s": bw, "bf16_flops_per_s": mm["sustained"],
+            "bf16_flops_per_s_burst": mm["burst"], "sustained_sm_mhz": mm["sustained_sm_mhz"],
+            "max_sm_mhz": mm["max_sm_mhz"]}
 
 
 def checkpoint_dir(name: str, root: Path) -> str:
@@ -153,10 +154,12 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
         e.overlap = overlap
         torch.cuda.synchronize()
         t = time.perf_counter()
+        clock = sm_clock_mhz_async() if overlap else None  # read while the steps run
         for _ in range(steps):
             e.step()
         torch.cuda.synchronize()
         walls[overlap] = (time.perf_counter() - t) / steps
+    sm_mhz = clock()
     if len(e.scheduler.running) != bs:
         raise RuntimeError("a request ended inside the timed steps")
     dt = walls[True]
@@ -175,6 +178,8 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
                 output_tok_s=out_tok,
                 weight_read_floor_ms=floor_bw * 1e3, matmul_floor_ms=floor_mm * 1e3,
                 x_weight_floor=dt / floor_bw, x_matmul_floor=dt / floor_mm,
+                x_matmul_floor_burst=dt / (flops / ceilings["bf16_flops_per_s_burst"]),
+                sm_mhz=sm_mhz,
                 tokens_per_step=tokens, graph_replay_ms=replay_ms)
 
 
@@ -198,14 +203,17 @@ def _replay_ms(engine) -> float:
 def table(rows: list[dict]) -> str:
     head = ("| model | batch | runner | attention | step ms | step ms, no overlap | "
             "graph replay ms | out tok/s | "
-            "weight floor ms | × weight floor | matmul floor ms | × matmul floor |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "weight floor ms | × weight floor | matmul floor ms | × matmul floor | "
+            "× burst matmul floor | SM MHz |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['model']} | {r['batch']} | {r['runner']} | {r['backend']} | {r['step_ms']:.2f} | "
         f"{r.get('plain_step_ms', float('nan')):.2f} | "
         f"{r.get('graph_replay_ms', float('nan')):.2f} | "
         f"{r['output_tok_s']:.0f} | {r['weight_read_floor_ms']:.2f} | {r['x_weight_floor']:.2f} "
-        f"| {r['matmul_floor_ms']:.2f} | {r['x_matmul_floor']:.2f} |\n" for r in rows)
+        f"| {r['matmul_floor_ms']:.2f} | {r['x_matmul_floor']:.2f} | "
+        f"{r.get('x_matmul_floor_burst', float('nan')):.2f} | {r.get('sm_mhz', float('nan')):.0f} |\n"
+        for r in rows)
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """What every benchmark script shares: where it leaves its results (``<out>/<name>-<stamp>.md``,
 what it printed, and ``<out>/<name>-<stamp>.json``, the numbers and the environment), the
-environment it reports, the copy-bandwidth ceiling, the timing of a captured CUDA graph and
-the check for a GPU."""
+environment it reports, the copy-bandwidth and matmul-rate ceilings, the SM clock, the
+timing of a captured CUDA graph and the check for a GPU."""
 
 from __future__ import annotations
 
@@ -64,6 +64,67 @@ def copy_bandwidth() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * 2**31 / statistics.median(times)
+
+
+def sm_clock_mhz_async(query: str = "clocks.sm"):
+    """Starts reading an SM clock (nvidia-smi's ``query``, by default the current clock) and
+    returns a function that waits for the answer, in MHz (NaN where it cannot be read).
+    Start it while the GPU is busy and keep it busy until the answer comes (nvidia-smi takes
+    some tens of ms): the clock of a load, not of the idle GPU after it."""
+    try:
+        proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}",
+                                 "--format=csv,noheader,nounits", "-i", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return lambda: float("nan")
+
+    def result() -> float:
+        out, _ = proc.communicate()
+        try:
+            return float(out.split()[0])
+        except (IndexError, ValueError):
+            return float("nan")
+    return result
+
+
+def matmul_rates(seconds: float = 3.0, n: int = 8192) -> dict[str, float]:
+    """The bf16 rate of ``n``³ matmuls two ways:
+
+    * ``burst``: the first 10 matmuls after 3 warm-ups, from a cool GPU at its boost clock
+      (``max_sm_mhz``);
+    * ``sustained``: back to back for ``seconds``, the median 10-matmul window of the last
+      half, with the SM clock read during that half (``sustained_sm_mhz``). Under a steady
+      load the GPU's power cap lowers the SM clock (an H200 went from 1980 MHz to about 1600
+      in session 8), and a benchmark's timed steps run in that state.
+    """
+    lhs = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    rhs = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def window(lhs: torch.Tensor, rhs: torch.Tensor) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            lhs @ rhs
+        b.record()
+        b.synchronize()
+        return 2 * n**3 * 10 / (a.elapsed_time(b) / 1e3)
+
+    max_mhz = sm_clock_mhz_async("clocks.max.sm")()
+    for _ in range(3):
+        lhs @ rhs
+    torch.cuda.synchronize()
+    burst = window(lhs, rhs)
+    rates, clock = [], None
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if clock is None and time.perf_counter() - t0 > seconds / 2:
+            clock = sm_clock_mhz_async()
+        rates.append(window(lhs, rhs))
+    del lhs, rhs
+    torch.cuda.empty_cache()
+    return {"burst": burst, "max_sm_mhz": max_mhz,
+            "sustained": statistics.median(rates[len(rates) // 2:]),
+            "sustained_sm_mhz": clock() if clock else float("nan")}
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
