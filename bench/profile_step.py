@@ -78,26 +78,33 @@ GAP_LIMIT_US = 50  # a longer idle stretch is the GPU waiting for the host betwe
 
 def gap_summary(spans: list[tuple[float, float, str]], steps: int, top: int = 8) -> dict:
     """Idle time between consecutive kernels (start-sorted, µs), per step: how much of the
-    step's span no kernel runs, and which kernel transitions it sits in."""
+    step's span no kernel runs, and which kernel transitions it sits in; gaps of
+    ``GAP_LIMIT_US`` or more (between steps: the device waiting for the host) apart."""
     spans = sorted(spans)
     total, count, overlaps = 0.0, 0, 0
     pairs: dict[tuple[str, str], list[float]] = {}
+    long_pairs: dict[tuple[str, str], list[float]] = {}
     end = None
     for (start, _stop, name), prev in zip(spans[1:], spans[:-1], strict=True):
         end = prev[1] if end is None else max(end, prev[1])
         gap = start - end
         if gap < 0:
             overlaps += 1
-        elif gap < GAP_LIMIT_US:
+            continue
+        if gap < GAP_LIMIT_US:
             total += gap
             count += 1
-            p = pairs.setdefault((prev[2], name), [0.0, 0])
-            p[0] += gap
-            p[1] += 1
-    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+        p = (pairs if gap < GAP_LIMIT_US else long_pairs).setdefault((prev[2], name), [0.0, 0])
+        p[0] += gap
+        p[1] += 1
+
+    def ranked(d):
+        return [(k, (t / steps, c / steps))
+                for k, (t, c) in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
     return dict(gap_ms=total / steps / 1e3, gaps=count / steps, overlaps=overlaps / steps,
-                mean_us=total / max(count, 1),
-                top=[(k, (t / steps, c / steps)) for k, (t, c) in ranked])
+                mean_us=total / max(count, 1), top=ranked(pairs),
+                long_ms=sum(t for t, _ in long_pairs.values()) / steps / 1e3,
+                long_top=ranked(long_pairs))
 
 
 def main() -> int:
@@ -160,6 +167,11 @@ def main() -> int:
               "| µs/step idle | count/step | µs mean | after → before |", "|---|---|---|---|",
               *(f"| {t:.1f} | {c:.0f} | {t / c:.2f} | {a[:50]} → {b[:50]} |"
                 for (a, b), (t, c) in gaps["top"]),
+              "", f"Gaps of {GAP_LIMIT_US} µs or more (the device waiting between steps): "
+              f"{gaps['long_ms']:.3f} ms/step.", "",
+              "| µs/step idle | count/step | µs mean | after → before |", "|---|---|---|---|",
+              *(f"| {t:.1f} | {c:.2f} | {t / c:.1f} | {a[:50]} → {b[:50]} |"
+                for (a, b), (t, c) in gaps["long_top"]),
               "", "Host operators (self CPU time):", "",
               prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)]
     text = "\n".join(lines)
