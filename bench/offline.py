@@ -245,7 +245,7 @@ def main() -> int:
                     for bs in map(int, sizes.split(",")):
                         if runner == "cuda_graph" and (backend != "flashinfer" or (
                                 name == "llada2-mini" and os.environ.get("DLLM_MOE_GROUPED")
-                                != "1")):
+                                == "0")):
                             continue  # graphs need FlashInfer, MoE the grouped experts
                         try:
                             row = bench_case(name, path, bs, runner == "cuda_graph", backend,

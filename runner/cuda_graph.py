@@ -93,7 +93,8 @@ class CudaGraphRunner(Runner):
 
     # ---- Runner interface ------------------------------------------------------------
     def can_run(self, batch: ScheduledBatch) -> bool:
-        if batch.mode not in self.modes or batch.batch_size > self.sizes[-1]:
+        if (batch.mode not in self.modes or not self.sizes
+                or batch.batch_size > self.sizes[-1]):
             return False
         if batch.mode is ForwardMode.DLLM_EXTEND:
             return len(set(batch.row_groups)) == 1 and batch.block_size == self.block_size
@@ -124,14 +125,29 @@ class CudaGraphRunner(Runner):
 
     # ---- capture ---------------------------------------------------------------------
     def capture_all(self, groups: list[str]) -> None:
-        """Capture every size, largest first (smaller graphs reuse its memory pool)."""
+        """Capture every size, largest first (smaller graphs reuse its memory pool). A size
+        whose capture runs out of device memory is dropped with a warning: its batches run on
+        the next larger captured size or, above the largest, eagerly."""
         if not self.capture:
             return
-        for mode in self.modes:
-            for bs in reversed(self.sizes):
-                for group in (groups if mode is ForwardMode.DLLM_EXTEND else [""]):
-                    for flags in ((False, False), (True, True)):
-                        self._graph(mode, bs, group, flags)
+        dropped = []
+        for bs in reversed(list(self.sizes)):
+            try:
+                for mode in self.modes:
+                    for group in (groups if mode is ForwardMode.DLLM_EXTEND else [""]):
+                        for flags in ((False, False), (True, True)):
+                            self._graph(mode, bs, group, flags)
+            except torch.OutOfMemoryError:
+                self.graphs = {k: g for k, g in self.graphs.items() if k[1] != bs}
+                self.sizes.remove(bs)
+                del self.backends[bs]
+                dropped.append(bs)
+                torch.cuda.empty_cache()
+        if dropped:
+            logger.warning("CUDA graphs: out of device memory capturing batch size(s) %s; "
+                           "captured %s (larger batches run eagerly; a lower "
+                           "--cuda-graph-max-bs or KV budget avoids this)",
+                           sorted(dropped), self.sizes)
 
     def _graph(self, mode: ForwardMode, bs: int, group: str,
                flags: tuple[bool, bool]) -> _Graph:

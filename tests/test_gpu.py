@@ -181,10 +181,9 @@ def test_cuda_graph_equals_eager_wide_steps(sdar_gpu):
 
 
 def test_cuda_graph_equals_eager_grouped_moe(tmp_path, monkeypatch):
-    """``DLLM_MOE_GROUPED=1``: a tiny LLaDA2-MoE's experts through the static-shape grouped
-    path, so its denoise steps are captured; graph replays equal eager steps token for
-    token. (Written in session 7 without device time: not yet run on a GPU.)"""
-    monkeypatch.setenv("DLLM_MOE_GROUPED", "1")
+    """A tiny LLaDA2-MoE's experts through the static-shape grouped path (the default), so
+    its denoise steps are captured; graph replays equal eager steps token for token."""
+    monkeypatch.delenv("DLLM_MOE_GROUPED", raising=False)
     path = str(make_tiny_checkpoint("LLaDA2MoeModelLM", tmp_path, seed=0, hidden_size=256,
                                     num_attention_heads=2, num_key_value_heads=1,
                                     head_dim=128))
