@@ -94,7 +94,7 @@ def matmul_rates(seconds: float = 3.0, n: int = 8192) -> dict[str, float]:
       (``max_sm_mhz``);
     * ``sustained``: back to back for ``seconds``, the median 10-matmul window of the last
       half, with the SM clock read during that half (``sustained_sm_mhz``). Under a steady
-      load the GPU's power cap lowers the SM clock (an H200 went from 1980 MHz to about 1600
+      load the GPU's power cap lowers the SM clock (an H200 went from 1980 MHz to about 1500
       in session 8), and a benchmark's timed steps run in that state.
     """
     lhs = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -60,7 +60,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
 RESIDUAL_WARPS, RESIDUAL_STAGES = 4, 5
 # The gate/up kernel's pipeline depth (``DLLM_WIDE_SILU_STAGES``, for A/B runs): 3 and 4
-# stages measured within machine-to-machine noise of each other (bench/NOTES.md, session 7).
+# stages measured within machine-to-machine noise of each other (bench/NOTES.md, sessions 7, 8).
 SILU_WARPS, SILU_STAGES = 8, int(os.environ.get("DLLM_WIDE_SILU_STAGES", "4"))
 
 
