@@ -16,8 +16,10 @@ before it is read); ``step ms`` and the ratios are the overlapped loop's.
 Floors: weight bytes read per step ÷ measured HBM bandwidth (a device-to-device copy), and
 FLOPs per step ÷ measured bf16 matmul rate (8192³). The matmul rate is the sustained one
 (back to back for 3 s: the GPU's power cap lowers the SM clock under a steady load, and the
-timed steps run in that state; ``SM MHz`` is the clock read during them); the ratio to the
-burst rate (the first 10 matmuls of a cool GPU, at its boost clock) is printed beside it.
+timed steps run in that state; ``SM MHz`` is the clock read during them, nan where they ended
+before nvidia-smi answered); the ratio to the burst rate (the first 10 matmuls of a cool GPU,
+at its boost clock) is printed beside it. A graph case whose batch size was not captured (out
+of memory) is reported as failed, not timed eagerly.
 Writes ``bench/results/offline-*.md`` and ``.json`` with the GPU name, driver, torch and
 flashinfer versions.
 """
@@ -35,11 +37,11 @@ from pathlib import Path
 
 import torch
 from report import (
+    ClockRead,
     copy_bandwidth,
     environment,
     matmul_rates,
     require_cuda,
-    sm_clock_mhz_async,
     stamp,
     write_report,
 )
@@ -155,20 +157,25 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
         e.overlap = overlap
         torch.cuda.synchronize()
         if overlap:
+            # The SM clock, sampled while the steps run: kept only if nvidia-smi answered
+            # before they ended (a short loop ends first: then NaN, not an idle GPU's clock).
+            clock = ClockRead()
             # The steady state: an overlapped step returns once the step before it is read,
             # so the clock runs from one such return to the ``steps``-th after it (the
             # pipeline's fill, one step's host work, is not counted).
             e.step()
             e.step()
         t = time.perf_counter()
-        clock = sm_clock_mhz_async() if overlap else None  # read while the steps run
         for _ in range(steps):
             e.step()
         if not overlap:
             torch.cuda.synchronize()
         walls[overlap] = (time.perf_counter() - t) / steps
+    in_time = clock.finished()
     e.drain()
-    sm_mhz = clock()
+    sm_mhz = clock.mhz() if in_time else float("nan")
+    if graph and bs > e.runner.runners[0].sizes[-1]:
+        raise RuntimeError(f"batch {bs} was not captured (out of memory): its steps ran eagerly")
     if len(e.scheduler.running) != bs:
         raise RuntimeError("a request ended inside the timed steps")
     dt = walls[True]

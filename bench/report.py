@@ -5,6 +5,7 @@ timing of a captured CUDA graph and the check for a GPU."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -66,25 +67,50 @@ def copy_bandwidth() -> float:
     return 2 * 2**31 / statistics.median(times)
 
 
-def sm_clock_mhz_async(query: str = "clocks.sm"):
-    """Starts reading an SM clock (nvidia-smi's ``query``, by default the current clock) and
-    returns a function that waits for the answer, in MHz (NaN where it cannot be read).
-    Start it while the GPU is busy and keep it busy until the answer comes (nvidia-smi takes
-    some tens of ms): the clock of a load, not of the idle GPU after it."""
+@functools.cache
+def _nvidia_smi_id() -> str:
+    """nvidia-smi's name for the GPU torch calls device 0 (nvidia-smi numbers GPUs in PCI
+    order and ignores ``CUDA_VISIBLE_DEVICES``): the UUID of nvidia-smi's list that matches
+    torch's, else index 0."""
     try:
-        proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}",
-                                 "--format=csv,noheader,nounits", "-i", "0"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    except OSError:
-        return lambda: float("nan")
+        mine = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "").lower()
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.split()
+    except (RuntimeError, AssertionError, OSError, subprocess.CalledProcessError):
+        return "0"
+    mine = mine.removeprefix("gpu-")
+    for uuid in listed:
+        if mine and uuid.lower().removeprefix("gpu-") == mine:
+            return uuid
+    return "0"
 
-    def result() -> float:
-        out, _ = proc.communicate()
+
+class ClockRead:
+    """Reads an SM clock (nvidia-smi's ``query``, by default the current clock) in a process
+    started now, while the caller keeps the GPU busy: ``finished()`` says whether the answer
+    is in (so the sample was taken before that moment), ``mhz()`` waits for it (NaN where it
+    cannot be read). nvidia-smi takes some tens of ms or more to answer."""
+
+    def __init__(self, query: str = "clocks.sm"):
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                 "-i", _nvidia_smi_id()],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+
+    def finished(self) -> bool:
+        return self._proc is None or self._proc.poll() is not None
+
+    def mhz(self) -> float:
+        if self._proc is None:
+            return float("nan")
+        out, _ = self._proc.communicate()
         try:
             return float(out.split()[0])
         except (IndexError, ValueError):
             return float("nan")
-    return result
 
 
 def matmul_rates(seconds: float = 3.0, n: int = 8192) -> dict[str, float]:
@@ -109,7 +135,7 @@ def matmul_rates(seconds: float = 3.0, n: int = 8192) -> dict[str, float]:
         b.synchronize()
         return 2 * n**3 * 10 / (a.elapsed_time(b) / 1e3)
 
-    max_mhz = sm_clock_mhz_async("clocks.max.sm")()
+    max_mhz = ClockRead("clocks.max.sm").mhz()
     for _ in range(3):
         lhs @ rhs
     torch.cuda.synchronize()
@@ -118,13 +144,13 @@ def matmul_rates(seconds: float = 3.0, n: int = 8192) -> dict[str, float]:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         if clock is None and time.perf_counter() - t0 > seconds / 2:
-            clock = sm_clock_mhz_async()
+            clock = ClockRead()
         rates.append(window(lhs, rhs))
     del lhs, rhs
     torch.cuda.empty_cache()
     return {"burst": burst, "max_sm_mhz": max_mhz,
             "sustained": statistics.median(rates[len(rates) // 2:]),
-            "sustained_sm_mhz": clock() if clock else float("nan")}
+            "sustained_sm_mhz": clock.mhz() if clock else float("nan")}
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:

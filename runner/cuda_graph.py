@@ -11,6 +11,7 @@ replayed."""
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,6 +143,9 @@ class CudaGraphRunner(Runner):
                 self.sizes.remove(bs)
                 del self.backends[bs]
                 dropped.append(bs)
+            if dropped and dropped[-1] == bs:  # the failed attempt's tensors, now unreferenced
+                torch.cuda.synchronize()
+                gc.collect()
                 torch.cuda.empty_cache()
         if dropped:
             logger.warning("CUDA graphs: out of device memory capturing batch size(s) %s; "

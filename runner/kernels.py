@@ -50,27 +50,33 @@ def pdl_enabled(device: torch.device) -> bool:
     return device_support_pdl(device) and os.environ.get("DLLM_PDL") == "1"
 
 
-def grouped_moe_enabled(model: nn.Module) -> bool:
+def grouped_moe_enabled(model: nn.Module, device: torch.device) -> bool:
     """MoE experts through ``StackedExperts.forward_grouped`` (static shapes, no host read, so
-    CUDA graphs capture MoE models): the default for bfloat16 experts where torch has
-    ``grouped_mm``; ``DLLM_MOE_GROUPED=0`` keeps the per-expert loop. On an H200 the grouped
-    path ran LLaDA2.0-mini's eager step 4.8× (batch 1) and 29× (batch 32) faster than the loop
-    (bench/NOTES.md, session 8)."""
+    CUDA graphs capture MoE models): the default for bfloat16 experts on Hopper and Blackwell
+    datacenter GPUs (compute capability 9.x, 10.x: torch's ``grouped_mm`` kernels; elsewhere
+    its fallback reads the group offsets on the host, which a graph capture forbids);
+    ``DLLM_MOE_GROUPED=0`` (or ``false``/``off``/``no``) keeps the per-expert loop. On an H200
+    the grouped path ran LLaDA2.0-mini's eager step 4.8× (batch 1) and 29× (batch 32) faster
+    than the loop (bench/NOTES.md, session 8)."""
     from dllm.models.moe import StackedExperts, grouped_mm
 
+    if os.environ.get("DLLM_MOE_GROUPED", "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
     experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
+    if grouped_mm is None or not experts:
+        return False
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return False
     # grouped_mm's operands need 16-byte strides: hidden and expert sizes multiples of 8.
-    return (os.environ.get("DLLM_MOE_GROUPED", "1") != "0" and grouped_mm is not None
-            and bool(experts) and all(m.gate_proj.dtype == torch.bfloat16
-                                      and m.gate_proj.shape[1] % 8 == 0
-                                      and m.gate_proj.shape[2] % 8 == 0 for m in experts))
+    return all(m.gate_proj.dtype == torch.bfloat16 and m.gate_proj.shape[1] % 8 == 0
+               and m.gate_proj.shape[2] % 8 == 0 for m in experts)
 
 
 class FlashInferOps(LayerOps):
     name = "flashinfer"
 
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
-        super().__init__(grouped_moe=grouped_moe_enabled(model))
+        super().__init__(grouped_moe=grouped_moe_enabled(model, device))
         self.pdl = pdl_enabled(device)  # decided once, not per call
         # One cos/sin table per distinct rotary spec (every layer of a model shares one).
         self.cos_sin: dict[object, torch.Tensor] = {}
