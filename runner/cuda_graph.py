@@ -138,15 +138,18 @@ class CudaGraphRunner(Runner):
                     for group in (groups if mode is ForwardMode.DLLM_EXTEND else [""]):
                         for flags in ((False, False), (True, True)):
                             self._graph(mode, bs, group, flags)
+                continue
             except torch.OutOfMemoryError:
-                self.graphs = {k: g for k, g in self.graphs.items() if k[1] != bs}
-                self.sizes.remove(bs)
-                del self.backends[bs]
-                dropped.append(bs)
-            if dropped and dropped[-1] == bs:  # the failed attempt's tensors, now unreferenced
-                torch.cuda.synchronize()
-                gc.collect()
-                torch.cuda.empty_cache()
+                pass
+            # Out of memory: drop the size, and free the failed attempt's tensors (unreferenced
+            # once the exception is gone).
+            self.graphs = {k: g for k, g in self.graphs.items() if k[1] != bs}
+            self.sizes.remove(bs)
+            del self.backends[bs]
+            dropped.append(bs)
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.empty_cache()
         if dropped:
             logger.warning("CUDA graphs: out of device memory capturing batch size(s) %s; "
                            "captured %s (larger batches run eagerly; a lower "
