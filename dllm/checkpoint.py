@@ -101,8 +101,11 @@ def load_model_info(engine: EngineConfig, tokenizer) -> ModelInfo:
     from_config = next((config[k] for k in spec.block_size_keys if config.get(k)), None)
     block_size = engine.block_size or from_config or spec.default_block_size
     eos = set(_as_tuple(config.get("eos_token_id"))) | set(_as_tuple(gen.get("eos_token_id")))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        eos.update(vocab[t] for t in spec.turn_end_tokens if t in vocab)
     model_ctx = int(config.get("max_position_embeddings")
                     or config.get("max_sequence_length") or 4096)
     context = min(engine.context_length or model_ctx, model_ctx)

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from dllm.algorithms import get_algorithm
 from dllm.autoregressive import AutoregressiveScheduler, SampleNext
@@ -38,6 +37,7 @@ from dllm.runner.model_runner import ModelRunner
 from dllm.sampling_params import SamplingParams, check_engine_keys
 from dllm.scheduler import Scheduler, SchedulerConfig, Work
 from dllm.stop import StopChecker
+from dllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Engine:
         self.device = cfg.resolve_device()
         self.dtype = cfg.resolve_dtype(self.device)
         path = resolve_model_path(cfg.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or path, local_files_only=True)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or path)
         self.info: ModelInfo = load_model_info(
             dataclasses.replace(cfg, model=path), self.tokenizer)
         self.task = self._resolve_task(path)

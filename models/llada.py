@@ -32,9 +32,12 @@ LLADA_RULES = (
     WeightRule(_BLOCK + r"ff_out\.(?P<w>weight|bias)", _LAYER + r"mlp.down_proj.\g<w>"),
 )
 
-# Reference options this implementation does not have, with the value it assumes.
+# Reference options this implementation does not have, with the value it assumes. The values
+# are the reference's enum values (``configuration_llada.py``): ``layer_norm_type`` "rms" is
+# its ``RMSLayerNorm`` (float32 statistics, eps ``rms_norm_eps``), what the released
+# checkpoints use.
 _REQUIRED = {
-    "block_type": "llama", "layer_norm_type": "rms_norm", "activation_type": "silu",
+    "block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu",
     "rope": True, "alibi": False, "attention_layer_norm": False, "scale_logits": False,
     "input_emb_norm": False, "clip_qkv": None, "bias_for_layer_norm": False,
 }
@@ -44,7 +47,8 @@ def _check_supported(config: ModelConfig) -> None:
     for key, value in _REQUIRED.items():
         got = config.get(key)
         if got is not None and got != value:
-            raise NotImplementedError(f"LLaDA option {key}={got!r} is not supported")
+            raise NotImplementedError(f"{config.source}: LLaDA option {key}={got!r} is not "
+                                      f"supported (this implementation has {key}={value!r})")
 
 
 class LLaDAModelLM(DecoderLM):

@@ -33,7 +33,10 @@ class ArchitectureSpec:
     the logits that predict position ``p`` come out at position ``p - 1`` (AR-initialised models:
     the runner shifts them, the model never does), else 0. ``default_sub_block_size`` is
     Fast-dLLM v2's sub-block. ``mask_token_strings`` are the mask tokens the tokenizer lookup
-    tries."""
+    tries. ``turn_end_tokens`` end a generation besides the checkpoint's EOS ids: the token
+    that closes an assistant turn in the family's chat template, which the released
+    ``generation_config.json`` does not always list (LLaDA's ``<|eot_id|>``, LLaDA2's
+    ``<|role_end|>``)."""
 
     name: str
     model_cls: type[nn.Module]
@@ -45,6 +48,7 @@ class ArchitectureSpec:
     default_sub_block_size: int | None = None
     mask_token_strings: tuple[str, ...] = ()
     block_size_keys: tuple[str, ...] = ("block_size",)
+    turn_end_tokens: tuple[str, ...] = ()
 
     @property
     def is_diffusion(self) -> bool:
@@ -54,23 +58,27 @@ class ArchitectureSpec:
 _SPECS = (
     ArchitectureSpec("SDARForCausalLM", SDARForCausalLM, "block_diffusion", "block_causal",
                      default_mask_id=151669, default_block_size=4,
-                     mask_token_strings=("<|MASK|>",)),
+                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",)),
     ArchitectureSpec("SDARMoeForCausalLM", SDARMoeForCausalLM, "block_diffusion", "block_causal",
                      default_mask_id=151669, default_block_size=4,
-                     mask_token_strings=("<|MASK|>",)),
+                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",)),
     ArchitectureSpec("LLaDA2MoeModelLM", LLaDA2MoeModelLM, "block_diffusion", "block_causal",
                      default_mask_id=156895, default_block_size=32,
-                     mask_token_strings=("<|mask|>",)),
+                     mask_token_strings=("<|mask|>",), turn_end_tokens=("<|role_end|>",)),
     ArchitectureSpec("Fast_dLLM_QwenForCausalLM", Fast_dLLM_QwenForCausalLM, "block_diffusion",
                      "block_causal", default_mask_id=151665, default_block_size=32,
                      logits_shift=1, default_sub_block_size=8,
-                     mask_token_strings=("|<MASK>|",), block_size_keys=("bd_size", "block_size")),
+                     mask_token_strings=("|<MASK>|",), block_size_keys=("bd_size", "block_size"),
+                     turn_end_tokens=("<|im_end|>",)),
     ArchitectureSpec("LLaDAModelLM", LLaDAModelLM, "full_diffusion", "full",
-                     default_mask_id=126336, mask_token_strings=("<|mdm_mask|>",)),
+                     default_mask_id=126336, mask_token_strings=("<|mdm_mask|>",),
+                     turn_end_tokens=("<|eot_id|>",)),
     ArchitectureSpec("LLaDAMoEModelLM", LLaDAMoEModelLM, "full_diffusion", "full",
-                     default_mask_id=156895, mask_token_strings=("<|mask|>",)),
+                     default_mask_id=156895, mask_token_strings=("<|mask|>",),
+                     turn_end_tokens=("<|role_end|>",)),
     ArchitectureSpec("DreamModel", DreamModel, "full_diffusion", "full",
-                     default_mask_id=151666, logits_shift=1, mask_token_strings=("<|mask|>",)),
+                     default_mask_id=151666, logits_shift=1, mask_token_strings=("<|mask|>",),
+                     turn_end_tokens=("<|im_end|>",)),
     ArchitectureSpec("Qwen3ForCausalLM", Qwen3ForCausalLM, "causal_lm", "causal", logits_shift=1),
     ArchitectureSpec("Qwen2ForCausalLM", Qwen2ForCausalLM, "causal_lm", "causal", logits_shift=1),
     ArchitectureSpec("LlamaForCausalLM", LlamaForCausalLM, "causal_lm", "causal", logits_shift=1),

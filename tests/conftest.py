@@ -24,3 +24,11 @@ def pytest_configure(config):
     # The test models are tiny: intra-op threads only add contention (and on a busy
     # two-core machine make each forward ~100x slower).
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _refvector_checkpoints(tmp_path_factory) -> None:
+    """Where ``tests/refvector_replay.py`` builds the reference vectors' checkpoints."""
+    from tests.refvector_replay import set_checkpoint_root
+
+    set_checkpoint_root(tmp_path_factory.mktemp("refvector-checkpoints"))

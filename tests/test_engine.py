@@ -75,12 +75,18 @@ def test_sampling_equals_naive_reference(llm, algorithm):
 @pytest.mark.parametrize("n", [3, 5])
 def test_stop_token_inside_a_block(llm, n):
     """A stop id met mid-block ends the output right after it, in engine and reference."""
-    prompt = prompt_of(n, salt=5)
-    free = llm.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
-    # Pick a token that first appears strictly inside a block (not at its last position).
+    # The first prompt (salt 5 on) whose free output has a token that first appears strictly
+    # inside a block (not at its last position).
     first_block = B - n % B
-    pos = next(i for i in range(len(free)) if (i - first_block) % B not in (B - 1,)
-               and free.index(free[i]) == i and i > 0)
+    for salt in range(5, 25):
+        prompt = prompt_of(n, salt=salt)
+        free = llm.generate(prompt, SamplingParams(max_new_tokens=12,
+                                                   ignore_eos=True))[0].token_ids
+        pos = next((i for i in range(len(free)) if (i - first_block) % B not in (B - 1,)
+                    and free.index(free[i]) == i and i > 0), None)
+        if pos is not None:
+            break
+    assert pos is not None, "no prompt gave a token first met inside a block"
     stop_id = free[pos]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
     out = llm.generate(prompt, params)[0]

@@ -18,10 +18,10 @@ Rules, per row (request):
   ``logits - T * log(-log u)`` (same argmax, no overflow, cheaper), and confidence is the
   plain (un-tempered, unfiltered) softmax, as in LLaDA's low-confidence remasking.
 
-Precision: softmax statistics are float32. The normaliser is ``max + log1p(sum of the
-other terms)``, so a confidence of ``1 - 1e-9`` keeps a distinct, ordered log-probability
-(``logprobs``) even though it rounds to 1.0 as a float32 probability; algorithms rank by
-the log-probability. Sums and prefix sums run in a fixed order
+Precision: softmax statistics are float32. Log-probabilities are ``(l - max) - log1p(S)``
+(``log_probs``), so the argmax's is ``-log1p(S)`` to float32 precision: a confidence of
+``1 - 1e-9`` keeps a distinct, ordered log-probability even though it rounds to 1.0 as a
+float32 probability; algorithms rank by the log-probability. Sums and prefix sums run in a fixed order
 (:mod:`dllm.algorithms.reductions`), so every output of a row is bit-identical whether the
 row runs alone or in any batch, on CPU and CUDA.
 
@@ -111,7 +111,7 @@ def sample_tokens(
     filtered = scaled
     if sampling.may_filter:
         filtered = scaled.masked_fill(~_filter_mask(scaled, top_k, top_p), _NEG_INF)
-    logprobs = filtered - log_normalizer(filtered)[..., None]
+    logprobs = log_probs(filtered)
 
     if not sampling.may_sample:
         x0 = filtered.argmax(dim=-1)
@@ -140,7 +140,7 @@ def _plain_logprobs(logits: Tensor, exclude_id: int | None) -> Tensor:
     x = logits.float().clone()
     if exclude_id is not None:
         x[..., exclude_id] = _NEG_INF
-    return x - log_normalizer(x)[..., None]
+    return log_probs(x)
 
 
 def log_confidence(sample: SampleOutput) -> Tensor:
@@ -153,12 +153,29 @@ def entropy(logprobs: Tensor) -> Tensor:
     return fixed_order_sum(torch.special.entr(logprobs.exp()))
 
 
-def log_normalizer(logits: Tensor) -> Tensor:
-    """``logsumexp`` over the last dim as ``max + log1p(sum of the rest)``: exact near 1."""
+def _shifted_and_log1p(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logits - max, log1p(S))`` with ``S`` the sum of ``exp(logit - max)`` over every id
+    but the (first) argmax, summed in a fixed order."""
     top, top_idx = logits.max(dim=-1, keepdim=True)
-    rest = torch.exp(logits - top)
+    shifted = logits - top
+    rest = torch.exp(shifted)
     rest.scatter_(-1, top_idx, 0.0)
-    return top.squeeze(-1) + torch.log1p(fixed_order_sum(rest))
+    return shifted, torch.log1p(fixed_order_sum(rest))
+
+
+def log_probs(logits: Tensor) -> Tensor:
+    """Log-softmax over the last dim as ``(l - max) - log1p(S)``. The argmax's
+    log-probability is ``-log1p(S)`` exactly: a confidence of ``1 - 1e-9`` keeps its own
+    value. (``l - (max + log1p(S))`` would round ``log1p(S)`` to a multiple of ``ulp(max)``,
+    so every confidence within ~1e-6 of 1 would tie.)"""
+    shifted, log1p = _shifted_and_log1p(logits)
+    return shifted - log1p[..., None]
+
+
+def log_normalizer(logits: Tensor) -> Tensor:
+    """``logsumexp`` over the last dim as ``max + log1p(sum of the rest)``."""
+    shifted, log1p = _shifted_and_log1p(logits)
+    return logits.max(dim=-1).values + log1p
 
 
 def _filter_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -202,5 +219,5 @@ def _llada_fp64(
     plain = raw.clone()
     if exclude_id is not None:
         plain[..., exclude_id] = _NEG_INF
-    plain_logprobs = plain - log_normalizer(plain)[..., None]
+    plain_logprobs = log_probs(plain)
     return x0, torch.where(rows[:, None, None], plain_logprobs, logprobs)

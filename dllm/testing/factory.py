@@ -1,10 +1,12 @@
-"""Tiny random checkpoints with the real config keys and tensor names of each architecture.
+"""Tiny random checkpoints laid out as the released ones, with tiny sizes.
 
-``make_tiny_checkpoint("SDARForCausalLM", dir)`` writes ``config.json``, ``model.safetensors``
-(or two shards and an index), ``generation_config.json`` and a small byte-level BPE tokenizer
-(``tokenizer.json``, ``tokenizer_config.json`` with a ChatML ``chat_template``,
-``special_tokens_map.json``) that ``transformers.AutoTokenizer`` loads offline and that encodes
-any text. The tensor names below are written from the reference checkpoints, independently of
+``make_tiny_checkpoint("SDARForCausalLM", dir)`` writes ``config.json``,
+``generation_config.json``, ``tokenizer_config.json`` (the release's chat template included) and
+``special_tokens_map.json`` with the keys and values of a named released checkpoint
+(:mod:`dllm.testing.families`), ``model.safetensors`` (or two shards and an index) with the
+real tensor names, and a small byte-level BPE ``tokenizer.json`` holding the release's added
+tokens, which ``transformers.AutoTokenizer`` loads offline and which encodes any text. The
+tensor names below are written from the reference checkpoints, independently of
 ``dllm.models``, so the loader is tested as against a real checkpoint.
 
 Weights are deterministic in ``seed`` and scaled so that the models are not near-identity
@@ -17,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,11 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from dllm.testing.families import RELEASES, Tok, TokenizerSpec, chat_template
+
 VOCAB_SIZE = 512  # config vocab (≥ tokenizer size, like the padded vocabularies of real models)
 HEAD_STD = 0.2  # LM-head entry scale: logit std ≈ HEAD_STD · sqrt(hidden) before row scaling
 HEAD_ROW_LOG_STD = 0.5  # spread of log row norms of the LM head
-
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 # Word pieces merged by the tokenizer (each with its leading space, GPT-2 style "Ġ").
 _WORDS = (
@@ -49,31 +45,18 @@ _WORDS = (
 _BARE_WORDS = ("user", "assistant", "system")
 
 
-@dataclass(frozen=True)
-class SpecialTokens:
-    eos: str
-    bos: str | None = None
-    pad: str | None = None
-    mask: str | None = None
-
-    def all(self) -> list[str]:
-        tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        for t in (self.eos, self.bos, self.pad, self.mask):
-            if t is not None and t not in tokens:
-                tokens.append(t)
-        return tokens
-
-
 # ---------------------------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(special: SpecialTokens, max_size: int = VOCAB_SIZE - 16) -> Tokenizer:
-    """Byte-level BPE: the 256 byte symbols, merges for ``_WORDS``, then the special tokens."""
+def build_tokenizer(added: tuple[tuple[str, bool], ...], max_size: int = VOCAB_SIZE - 16
+                    ) -> Tokenizer:
+    """Byte-level BPE: the 256 byte symbols, merges for ``_WORDS``, then the release's added
+    tokens in its order (``(text, special)``)."""
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges: list[tuple[str, str]] = []
-    budget = max_size - len(special.all())
+    budget = max_size - len(added)
     # Words after a space first; bare chat roles last, so their merges never outrank a
     # "Ġ"-chain and split a spaced word.
     reserve = sum(len(w) - 1 for w in _BARE_WORDS)
@@ -92,29 +75,36 @@ def build_tokenizer(special: SpecialTokens, max_size: int = VOCAB_SIZE - 16) -> 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.all()])
+    tok.add_tokens([AddedToken(t, special=sp, normalized=False) for t, sp in added])
     return tok
 
 
-def _write_tokenizer(path: Path, tok: Tokenizer, special: SpecialTokens) -> None:
+def _write_tokenizer(path: Path, tok: Tokenizer, spec: TokenizerSpec) -> None:
     tok.save(str(path / "tokenizer.json"))
-    names = {"bos_token": special.bos, "eos_token": special.eos, "pad_token": special.pad,
-             "mask_token": special.mask}
-    names = {k: v for k, v in names.items() if v is not None}
-    extra = ["<|im_start|>", "<|im_end|>"]
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **names,
-        "unk_token": None,
-        "additional_special_tokens": extra,
-        "chat_template": CHATML_TEMPLATE,
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-    }
-    with open(path / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config, f, indent=2)
-    with open(path / "special_tokens_map.json", "w", encoding="utf-8") as f:
-        json.dump({**names, "additional_special_tokens": extra}, f, indent=2)
+    decoder = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
+                                         "rstrip": False, "single_word": False, "special": sp}
+               for t, sp in spec.added}
+    _dump(path / "tokenizer_config.json", {**spec.config, "added_tokens_decoder": decoder})
+    _dump(path / "special_tokens_map.json", spec.special_map)
+    if spec.template_file:
+        (path / "chat_template.jinja").write_text(chat_template(spec.template_file),
+                                                  encoding="utf-8")
+
+
+def _dump(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+
+
+def _resolve(value: Any, ids: dict[str, int]) -> Any:
+    """``value`` with every ``Tok`` replaced by its id in the tiny tokenizer."""
+    if isinstance(value, Tok):
+        return ids[value.text]
+    if isinstance(value, dict):
+        return {k: _resolve(v, ids) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, ids) for v in value]
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +240,8 @@ def _llada2_tensors(c: dict[str, Any]) -> TensorList:
                 (f"{p}.mlp.gate.expert_bias", (e,), "expert_bias"),
                 *_hf_experts(f"{p}.mlp", e, h, c["moe_intermediate_size"]),
                 *_hf_mlp(f"{p}.mlp.shared_experts", h,
-                         c["moe_shared_expert_intermediate_size"] * c["num_shared_experts"])]
+                         c.get("moe_shared_expert_intermediate_size", c["moe_intermediate_size"])
+                         * c["num_shared_experts"])]
     return out
 
 
@@ -275,117 +266,20 @@ def _llada_tensors(c: dict[str, Any]) -> TensorList:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Configs (real key names, tiny sizes)
-# ---------------------------------------------------------------------------------------------
-
-_QWEN_COMMON: dict[str, Any] = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_scaling": None,
-    "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-    "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
+# Tensor layout of each architecture (its configs and tokenizers are in ``families``).
+TENSORS: dict[str, Callable[[dict[str, Any]], TensorList]] = {
+    "Qwen3ForCausalLM": _qwen3_tensors,
+    "Qwen2ForCausalLM": _qwen2_tensors,
+    "LlamaForCausalLM": _llama_tensors,
+    "SDARForCausalLM": _qwen3_tensors,
+    "SDARMoeForCausalLM": _sdar_moe_tensors,
+    "LLaDA2MoeModelLM": _llada2_tensors,
+    "Fast_dLLM_QwenForCausalLM": _qwen2_tensors,
+    "LLaDAModelLM": _llada_tensors,
+    "LLaDAMoEModelLM": _llada_moe_tensors,
+    "DreamModel": _qwen2_tensors,
 }
-_QWEN3: dict[str, Any] = {**_QWEN_COMMON, "head_dim": 32, "rope_theta": 1000000.0,
-                          "attention_bias": False}
-_QWEN2: dict[str, Any] = {**_QWEN_COMMON, "rope_theta": 1000000.0}
-_MOE: dict[str, Any] = {"num_experts": 8, "num_experts_per_tok": 2}
-
-
-@dataclass(frozen=True)
-class _Family:
-    config: dict[str, Any]
-    tensors: Callable[[dict[str, Any]], TensorList]
-    special: SpecialTokens
-    mask_in_config: bool = False  # the real config.json carries mask_token_id
-
-
-_QWEN_SPECIAL = SpecialTokens(eos="<|im_end|>", bos="<|endoftext|>", pad="<|endoftext|>")
-
-FAMILIES: dict[str, _Family] = {
-    "Qwen3ForCausalLM": _Family(
-        {"model_type": "qwen3", **_QWEN3, "tie_word_embeddings": True},
-        _qwen3_tensors, _QWEN_SPECIAL),
-    "Qwen2ForCausalLM": _Family(
-        {"model_type": "qwen2", **_QWEN2, "tie_word_embeddings": False},
-        _qwen2_tensors, _QWEN_SPECIAL),
-    "LlamaForCausalLM": _Family(
-        {"model_type": "llama", **{k: v for k, v in _QWEN_COMMON.items()
-                                   if k not in ("use_sliding_window", "sliding_window",
-                                                "max_window_layers")},
-         "head_dim": 16, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "attention_bias": False,
-         "mlp_bias": False, "pretraining_tp": 1, "tie_word_embeddings": False},
-        _llama_tensors,
-        SpecialTokens(eos="<|end_of_text|>", bos="<|begin_of_text|>", pad="<|end_of_text|>")),
-    "SDARForCausalLM": _Family(
-        {"model_type": "sdar", **_QWEN3, "tie_word_embeddings": True},
-        _qwen3_tensors, SpecialTokens(eos="<|im_end|>", bos="<|endoftext|>",
-                                      pad="<|endoftext|>", mask="<|MASK|>")),
-    "SDARMoeForCausalLM": _Family(
-        {"model_type": "sdar_moe", **_QWEN3, **_MOE, "moe_intermediate_size": 32,
-         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-         "output_router_logits": False, "router_aux_loss_coef": 0.001,
-         "tie_word_embeddings": False},
-        _sdar_moe_tensors, SpecialTokens(eos="<|im_end|>", bos="<|endoftext|>",
-                                         pad="<|endoftext|>", mask="<|MASK|>")),
-    "LLaDA2MoeModelLM": _Family(
-        {"model_type": "llada2_moe", "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "hidden_act": "silu", "max_position_embeddings": 2048,
-         "rms_norm_eps": 1e-6, "rope_theta": 600000, "rope_scaling": None,
-         "partial_rotary_factor": 0.5, "rotary_dim": 8, "first_k_dense_replace": 1, **_MOE,
-         "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
-         "num_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-         "score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-         "norm_topk_prob": True, "router_dtype": "fp32", "use_qk_norm": True,
-         "use_qkv_bias": False, "use_bias": False, "norm_head": False, "use_rmsnorm": True,
-         "embedding_dropout": 0.0, "attention_dropout": 0.0, "output_dropout": 0.0,
-         "output_router_logits": False, "initializer_range": 0.02, "use_cache": True,
-         "tie_word_embeddings": False},
-        _llada2_tensors, SpecialTokens(eos="<|endoftext|>", bos="<|startoftext|>",
-                                       pad="<|endoftext|>", mask="<|mask|>")),
-    "Fast_dLLM_QwenForCausalLM": _Family(
-        {"model_type": "Fast_dLLM_Qwen", **_QWEN2, "bd_size": 32, "tie_word_embeddings": False},
-        _qwen2_tensors, SpecialTokens(eos="<|im_end|>", bos="<|endoftext|>",
-                                      pad="<|endoftext|>", mask="|<MASK>|")),
-    "LLaDAModelLM": _Family(
-        {"model_type": "llada", "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2,
-         "mlp_hidden_size": 128, "mlp_ratio": 2, "vocab_size": VOCAB_SIZE,
-         "embedding_size": VOCAB_SIZE, "max_sequence_length": 2048, "rope": True,
-         "rope_theta": 500000.0, "rope_full_precision": True, "layer_norm_type": "rms_norm",
-         "layer_norm_with_affine": True, "rms_norm_eps": 1e-5, "activation_type": "silu",
-         "block_type": "llama", "block_group_size": 1, "include_bias": False,
-         "include_qkv_bias": False, "bias_for_layer_norm": False,
-         "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
-         "weight_tying": False, "alibi": False, "alibi_bias_max": 8.0, "scale_logits": False,
-         "input_emb_norm": False, "clip_qkv": None, "multi_query_attention": None,
-         "attention_dropout": 0.0, "embedding_dropout": 0.0, "residual_dropout": 0.0,
-         "flash_attention": False, "init_device": "meta", "init_fn": "mitchell",
-         "init_std": 0.02, "init_cutoff_factor": None, "precision": "amp_bf16",
-         "use_cache": False},
-        _llada_tensors, SpecialTokens(eos="<|endoftext|>", bos="<|startoftext|>",
-                                      pad="<|endoftext|>", mask="<|mdm_mask|>"),
-        mask_in_config=True),
-    "LLaDAMoEModelLM": _Family(
-        {"model_type": "llada", "hidden_size": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "num_hidden_layers": 2, "dense_intermediate_size": 128,
-         "expert_intermediate_size": 32, "shared_expert_intermediate_size": None, **_MOE,
-         "moe_layer_freq": [1, 1], "moe_router_enable_expert_bias": False,
-         "moe_router_score_function": "softmax", "norm_topk_prob": False,
-         "qk_layernorm": True, "attention_bias": False, "clip_qkv": None,
-         "partial_rotary_factor": 1, "rope_theta": 50000, "rope_scaling": None,
-         "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "silu",
-         "router_aux_loss_coef": 0.01, "routed_scaling_factor": 1, "router_num_group": None,
-         "router_topk_group": None, "output_router_logits": False, "initializer_range": 0.02,
-         "attention_dropout": 0.0, "use_cache": False, "tie_word_embeddings": False},
-        _llada_moe_tensors, SpecialTokens(eos="<|endoftext|>", bos="<|startoftext|>",
-                                          pad="<|endoftext|>", mask="<|mask|>")),
-    "DreamModel": _Family(
-        {"model_type": "Dream", **_QWEN2, "tie_word_embeddings": False},
-        _qwen2_tensors, SpecialTokens(eos="<|endoftext|>", bos="<|endoftext|>",
-                                      pad="<|endoftext|>", mask="<|mask|>"),
-        mask_in_config=True),
-}
+assert set(TENSORS) == set(RELEASES)
 
 # ---------------------------------------------------------------------------------------------
 # Weights
@@ -433,34 +327,29 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
 
 
 def supported_architectures() -> list[str]:
-    return sorted(FAMILIES)
+    return sorted(RELEASES)
 
 
 def make_tiny_checkpoint(architecture: str, path: str | Path, seed: int = 0, *, shards: int = 1,
                          dtype: str = "float32", **config_overrides: Any) -> Path:
     """Write a tiny random checkpoint of ``architecture`` to ``path`` and return ``path``.
     ``config_overrides`` replace config keys (sizes, ``tie_word_embeddings``, MoE options, ...)
-    before the tensors are laid out; ``shards=2`` writes two shards and an index."""
-    if architecture not in FAMILIES:
+    before the tensors are laid out; ``shards=2`` writes two shards and an index. A config's
+    ``torch_dtype`` is ``dtype``, the weights' dtype (the releases say bfloat16)."""
+    if architecture not in RELEASES:
         raise ValueError(f"no tiny checkpoint recipe for {architecture!r}; "
                          f"known: {', '.join(supported_architectures())}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
-    family = FAMILIES[architecture]
+    release = RELEASES[architecture]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tok = build_tokenizer(family.special)
-    ids = {t: tok.token_to_id(t) for t in family.special.all()}
-    sp = family.special
-    config: dict[str, Any] = {"architectures": [architecture], **family.config,
-                              "vocab_size": VOCAB_SIZE}
-    config.update({"bos_token_id": ids[sp.bos] if sp.bos else None,
-                   "eos_token_id": ids[sp.eos],
-                   "pad_token_id": ids[sp.pad] if sp.pad else None})
-    if family.mask_in_config and sp.mask:
-        config["mask_token_id"] = ids[sp.mask]
-    config["torch_dtype"] = dtype
+    tok = build_tokenizer(release.tokenizer.added)
+    ids = {t: tok.token_to_id(t) for t, _ in release.tokenizer.added}
+    config = _resolve(release.config, ids)
+    if "torch_dtype" in config:  # the weights' dtype (LLaDA's release has no such key)
+        config["torch_dtype"] = dtype
     config.update(config_overrides)
     if tok.get_vocab_size() > config["vocab_size"]:
         raise ValueError(f"vocab_size {config['vocab_size']} < tokenizer size "
@@ -469,14 +358,13 @@ def make_tiny_checkpoint(architecture: str, path: str | Path, seed: int = 0, *, 
     gen = torch.Generator().manual_seed(seed)
     torch_dtype = _DTYPES[dtype]
     tensors = {name: _init_tensor(kind, shape, gen).to(torch_dtype).contiguous()
-               for name, shape, kind in family.tensors(config)}
+               for name, shape, kind in TENSORS[architecture](config)}
 
-    with open(path / "config.json", "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                  if config.get(k) is not None}
-    with open(path / "generation_config.json", "w", encoding="utf-8") as f:
-        json.dump(generation, f, indent=2)
+    _dump(path / "config.json", config)
+    generation = (_resolve(release.generation, ids) if release.generation is not None else
+                  {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if config.get(k) is not None})
+    _dump(path / "generation_config.json", generation)
     _save(path, tensors, shards)
-    _write_tokenizer(path, tok, sp)
+    _write_tokenizer(path, tok, release.tokenizer)
     return path

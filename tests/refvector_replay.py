@@ -1,0 +1,116 @@
+"""Replay of the reference vectors (``tests/data/refvectors/*.json``, written by
+``scripts/refvectors/``): rebuild the tiny checkpoint the official generator ran on, check its
+weights are the same bytes, and run the same prompts through ``LLM.generate``.
+
+A family's test module maps the reference function's own settings (``vector["settings"]``)
+to engine arguments and ``SamplingParams``; that mapping is a rule per reference function,
+never per case, so vectors made later from the same references on other prompts and settings
+replay through it unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from dllm import LLM, SamplingParams
+from dllm.testing import make_tiny_checkpoint
+
+DATA = Path(__file__).parent / "data" / "refvectors"
+
+
+def load_vectors(prefix: str) -> list[dict[str, Any]]:
+    """Every vector whose file name starts with ``prefix``, sorted by name."""
+    out = []
+    for path in sorted(DATA.glob(f"{prefix}*.json")):
+        with open(path, encoding="utf-8") as f:
+            out.append(json.load(f))
+    return out
+
+
+def vector_ids(vectors: list[dict[str, Any]]) -> list[str]:
+    return [v["name"] for v in vectors]
+
+
+def weights_digest(path: str | Path) -> str:
+    """The digest ``scripts/refvectors/common.py`` records (same rule, written here again so
+    the tests do not import the scripts)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+_ROOT: list[Path] = []
+
+
+def set_checkpoint_root(path: Path) -> None:
+    _ROOT[:] = [path]
+
+
+@cache
+def _checkpoint(architecture: str, seed: int, overrides_json: str) -> Path:
+    key = hashlib.sha256(f"{architecture}|{seed}|{overrides_json}".encode()).hexdigest()[:16]
+    path = _ROOT[0] / f"{architecture}-{key}"
+    make_tiny_checkpoint(architecture, path, seed=seed, **json.loads(overrides_json))
+    return path
+
+
+def checkpoint_for(vector: dict[str, Any]) -> Path:
+    """The vector's checkpoint, built once per session; fails if the factory drifted."""
+    c = vector["checkpoint"]
+    path = _checkpoint(c["architecture"], c["seed"], json.dumps(c["overrides"], sort_keys=True))
+    digest = weights_digest(path)
+    assert digest == c["weights_sha256"], (
+        f"{vector['name']}: the factory's weights for {c['architecture']} changed since the "
+        "vector was made; re-run scripts/refvectors")
+    return path
+
+
+@cache
+def engine_for(path: Path, engine_args_json: str) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", **json.loads(engine_args_json))
+
+
+def get_llm(vector: dict[str, Any], engine_args: dict[str, Any]) -> LLM:
+    return engine_for(checkpoint_for(vector), json.dumps(engine_args, sort_keys=True))
+
+
+@dataclass
+class Replay:
+    """What one vector asks of the engine: per row, its prompt ids, its params, and the
+    tokens it must produce (the reference's generated ids, cut where dllm's output ends)."""
+
+    engine_args: dict[str, Any]
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    expected: list[list[int]]
+    num_forwards: int | None = None  # the reference's, where the engine's structure is its
+    notes: list[str] = field(default_factory=list)
+
+
+def first_difference(got: list[int], want: list[int]) -> str:
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return f"first difference at generated position {i}: got {a}, reference {b}"
+    return f"lengths differ: got {len(got)}, reference {len(want)}"
+
+
+def check_outputs(outs: list, replay: Replay, name: str) -> None:
+    for row, (out, want) in enumerate(zip(outs, replay.expected, strict=True)):
+        got = list(out.token_ids)
+        assert got == want, (f"{name} row {row}: {first_difference(got, want)}\n"
+                             f"got       {got}\nreference {want}")
