@@ -32,7 +32,7 @@ class SampleNext:
     """``[bs]`` next tokens from each row's last-token logits, sampled at the position after
     that token (the RNG counter), on the device. ``flags``: ``sampling_flags`` of the batch."""
 
-    def __init__(self, flags: tuple[bool, bool] = (True, True)):
+    def __init__(self, flags: tuple[bool, bool, bool] = (True, True, True)):
         self.flags = flags
 
     @classmethod
@@ -44,7 +44,7 @@ class SampleNext:
         bs = len(fb.extend_lens_cpu)
         last_pos = fb.positions[fb.last_token_index[:bs]]
         sampling = sampling_tensors(fb, bs)
-        sampling.may_sample, sampling.may_filter = self.flags
+        sampling.may_sample, sampling.may_filter, sampling.may_filter_any = self.flags
         out = sample_tokens(logits[:bs, None, :], sampling, (last_pos + 1)[:, None],
                             torch.zeros_like(last_pos))
         return out.x0[:, 0]

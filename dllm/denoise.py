@@ -79,14 +79,16 @@ def sampling_rows(reqs: list[Req]) -> dict[str, list]:
     return {k: [s[k] for s in rows] for k in SAMPLING_KEYS}
 
 
-def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool]:
-    """Host knowledge of a batch's sampling (``SamplingTensors.may_sample/may_filter``):
-    whether any row samples, and whether any sampled row filters by top-k / top-p. Rows that
-    need neither get identical results without the noise hashing or the vocabulary sort."""
+def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool, bool]:
+    """Host knowledge of a batch's sampling (``SamplingTensors.may_sample/may_filter/
+    may_filter_any``): whether any row samples, whether any sampled row filters by top-k /
+    top-p, and whether any row at all sets them (Dream filters greedy rows too). Rows that
+    need none get identical results without the noise hashing or the vocabulary sort."""
     rows = list(zip(row_inputs["temperature"], row_inputs["top_k"], row_inputs["top_p"],
                     strict=True))
     may_sample = any(t > 0 for t, _, _ in rows)
-    return may_sample, any(t > 0 and (k > 0 or p < 1) for t, k, p in rows)
+    return (may_sample, any(t > 0 and (k > 0 or p < 1) for t, k, p in rows),
+            any(k > 0 or p < 1 for _, k, p in rows))
 
 
 def config_rows(reqs: list[Req]) -> dict[str, list]:
@@ -116,7 +118,7 @@ class DenoisePost:
     all rows of a padded batch."""
 
     def __init__(self, groups: dict[str, list[int]], num_rows: int, mask_token_id: int,
-                 logits_shift: int, flags: tuple[bool, bool] = (True, True)):
+                 logits_shift: int, flags: tuple[bool, bool, bool] = (True, True, True)):
         self.groups = groups
         self.flags = flags
         self.num_rows = num_rows
@@ -174,6 +176,7 @@ class DenoisePost:
                     "temperature", "top_k", "top_p", "seed")), *self.flags),
                 config={k: take(full[f"cfg.{k}"]).to(KEY_SPECS[k].dtype) for k in algo.defaults},
                 state={k: take(full[f"state.{k}"]) for k in algo.state_keys},
+                block_len=take(full["fd.block_len"]) if "fd.block_len" in full else None,
             )
             out = algo.step(x)
             if idx is None:

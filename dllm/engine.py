@@ -48,9 +48,11 @@ FAMILY_ALGORITHMS = {
     "LLaDAModelLM": "low_confidence_static", "LLaDAMoEModelLM": "low_confidence_static",
     "DreamModel": "entropy", "Fast_dLLM_QwenForCausalLM": "hierarchical",
 }
-# LLaDA samples with float64 Gumbel noise (``low_confidence_static``'s ``gumbel_fp64``).
+# LLaDA samples with float64 Gumbel noise (``low_confidence_static``'s ``gumbel_fp64``) and
+# runs every scheduled step of a block, zero-token steps included (``all_steps``).
 FAMILY_ALGORITHM_CONFIG: dict[str, dict[str, Any]] = {
-    "LLaDAModelLM": {"gumbel_fp64": True}, "LLaDAMoEModelLM": {"gumbel_fp64": True},
+    "LLaDAModelLM": {"gumbel_fp64": True, "all_steps": True},
+    "LLaDAMoEModelLM": {"gumbel_fp64": True, "all_steps": True},
 }
 
 

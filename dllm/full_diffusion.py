@@ -20,9 +20,12 @@ request's current block (never of the whole canvas) and runs the unmasking algor
   block only and attend to the prefix and the suffix cached at the block start (``seq_len`` is
   the canvas end).
 
-Shifted logits (Dream: position p is read from the logits at p − 1): in the cached modes a
-row's query starts one token before the block, whose KV is rewritten by it. (Fast-dLLM's Dream
-code reads the block's first position from that position's own logits instead.)
+Shifted logits (Dream: position p is read from the logits at p − 1), in the cached modes as
+Fast-dLLM's Dream block cache (``generation_utils_block.py``) does: the block-start forward
+commits only the block's first position (Dream's proposal from the logits before it) and the
+step schedule then counts from 1; later steps query from the block's first position, with all
+earlier K/V as the block-start forward wrote them, and a query's first position reads its own
+logits.
 
 **CFG** (``cfg_scale`` > 0, LLaDA): the unconditional twin, the canvas with the prompt replaced
 by mask tokens, is a second row of the same forward in its own request slot and pages (the
@@ -56,7 +59,8 @@ from typing import Any
 
 import torch
 
-from dllm.algorithms.base import UnmaskingAlgorithm
+from dllm.algorithms.base import SamplingTensors, UnmaskingAlgorithm
+from dllm.algorithms.dream import dream_probs, dream_propose
 from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
 from dllm.request import BlockState, FinishReason, Req
 from dllm.runner.forward_batch import (
@@ -81,6 +85,7 @@ ROW_FIELDS = {
     "fd.uncond": torch.int64,  # 1 on a twin row
     "fd.block_len": torch.int64,
     "fd.cfg_scale": torch.float32,
+    "fd.first_only": torch.int64,  # 1: the step commits the block's first position only
 }
 
 
@@ -115,11 +120,8 @@ def resolve_request(config: Mapping[str, Any], algorithm: UnmaskingAlgorithm,
             raise ValueError(
                 f"dllm.steps ({steps}) must be a multiple of the number of blocks "
                 f"({num_blocks}: max_new_tokens {max_new_tokens} in blocks of {block})")
-        per_block = steps // num_blocks
+        per_block = steps // num_blocks  # more than the block's masks: zero-token steps
         if "steps_per_block" in algorithm.defaults:
-            if per_block > block:
-                raise ValueError(f"dllm.steps ({steps}) gives {per_block} steps per block, "
-                                 f"more than the block size {block}")
             cfg["steps_per_block"] = per_block
         cfg["steps"] = per_block
     return RequestLayout(block, config.get("cache_mode", "exact"),
@@ -224,7 +226,7 @@ class FullDiffusionScheduler(Scheduler):
         blk, end = req.block, req.canvas_len
         if req.cache_mode == "exact" or blk.step == 0:
             return 0, end, end
-        first = blk.start - self.logits_shift
+        first = blk.start
         if req.cache_mode == "prefix":
             return first, end, end
         return first, blk.start + len(blk.tokens), end  # dual
@@ -253,6 +255,8 @@ class FullDiffusionScheduler(Scheduler):
                 "fd.uncond": int(uncond),
                 "fd.block_len": len(req.block.tokens),
                 "fd.cfg_scale": float(req.cfg_scale),
+                "fd.first_only": int(self.logits_shift > 0 and req.cache_mode != "exact"
+                                     and req.block.step == 0),
             }
             for name, value in fields.items():
                 batch.row_inputs.setdefault(name, []).append(value)
@@ -324,6 +328,8 @@ class FullDiffusionPost:
         self.shift = logits_shift
         self.compute_logits = compute_logits
         self.denoise = DenoisePost.for_reqs(reqs, [r.block for r in reqs], mask_token_id, 0)
+        self.any_first_only = bool(logits_shift) and any(
+            r.cache_mode != "exact" and r.block.step == 0 for r in reqs)
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
                  logits: torch.Tensor | None) -> Any:
@@ -339,15 +345,17 @@ class FullDiffusionPost:
         def block_index(rows: torch.Tensor) -> torch.Tensor:  # [n, width] token indices
             return (row_start[rows] + ex["fd.offset"][rows])[:, None] + j
 
-        def block_logits(index: torch.Tensor) -> torch.Tensor:
-            at = (index - self.shift).clamp(0, last).reshape(-1)
-            return self.compute_logits(hidden[at]).view(n, width, -1)
+        def block_logits(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            # shifted: a token reads the logits before it, a query's first token its own
+            at = torch.maximum(index - self.shift, row_start[rows][:, None])
+            return self.compute_logits(hidden[at.clamp(0, last).reshape(-1)]).view(n, width, -1)
 
         rows = torch.arange(n, device=hidden.device)
         index = block_index(rows)
-        out = block_logits(index)
+        out = block_logits(rows, index)
         if self.any_cfg:  # rows without a twin point at themselves: un == cond there
-            un = block_logits(block_index(rows + ex["fd.partner"][:n]))
+            partner = rows + ex["fd.partner"][:n]
+            un = block_logits(partner, block_index(partner))
             scale = (ex["fd.cfg_scale"][:n] + 1.0).to(out.dtype)[:, None, None]
             out = un + scale * (out - un)
         index = index.clamp(max=last)
@@ -355,4 +363,28 @@ class FullDiffusionPost:
             fb, input_ids=fb.input_ids[index].reshape(-1),
             positions=fb.positions[index].reshape(-1), block_size=width,
             extras={**ex, "editable": (j < ex["fd.block_len"][:n, None]).reshape(-1)})
-        return self.denoise(view, hidden, out.reshape(n * width, -1))
+        packed, states = self.denoise(view, hidden, out.reshape(n * width, -1))
+        if self.any_first_only:
+            packed, states = self._first_only(view, out, packed, states)
+        return packed, states
+
+    def _first_only(self, view: ForwardBatch, logits: torch.Tensor, packed: torch.Tensor,
+                    states: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Rows flagged ``fd.first_only`` commit the block's first position alone (Dream's
+        proposal there) and keep a fresh algorithm state."""
+        ex = view.extras
+        n, width = len(self.reqs), self.width
+        flag = ex["fd.first_only"][:n].bool()
+        sampling = SamplingTensors(ex["temperature"][:n], ex["top_k"][:n], ex["top_p"][:n],
+                                   ex["seed"][:n], *self.denoise.flags)
+        positions = view.positions.view(n, width)[:, :1]
+        probs = dream_probs(logits[:, :1], sampling)
+        first = dream_propose(probs, sampling, ex["step"][:n], positions)[:, 0]
+        tokens = view.input_ids.view(n, width).clone()
+        tokens[:, 0] = first
+        done = (ex["fd.block_len"][:n] <= 1).to(packed.dtype)
+        one = torch.ones_like(done)
+        patched = torch.cat([tokens, done[:, None], one[:, None], packed[:, -1:]], dim=1)
+        packed = torch.where(flag[:, None], patched, packed)
+        states = {k: torch.where(flag, torch.zeros_like(v), v) for k, v in states.items()}
+        return packed, states

@@ -10,6 +10,7 @@ import torch
 
 from dllm.algorithms import get_algorithm
 from dllm.algorithms.base import DenoiseInput, SamplingTensors
+from dllm.algorithms.dream import dream_probs, dream_propose
 from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
@@ -175,9 +176,13 @@ def naive_full_diffusion(
             return forward_full(model, canvas, AttentionMask.FULL)[start - shift:end - shift]
         if step == 0:
             return cache.forward(canvas, 0, length)[start - shift:end - shift]
-        first = start - shift
+        # Later steps query from the block start (the K/V before it frozen at the block start);
+        # shifted logits are read inside the query, its first position from its own.
         last = length if cache_mode == "prefix" else end
-        return cache.forward(canvas[first:last], first, length)[: end - start]
+        query = cache.forward(canvas[start:last], start, length)
+        if shift:
+            query = torch.cat([query[:1], query[:-1]])
+        return query[: end - start]
 
     out: list[int] = []
     for start in range(n_prompt, length, block_size):
@@ -191,6 +196,17 @@ def naive_full_diffusion(
                 un_x = [mask_id] * n_prompt + x[n_prompt:]
                 un = logits_of(un_x, start, end, step, caches[True])
                 logits = un + (cfg_scale + 1) * (logits - un)
+            if shift and cache_mode != "exact" and step == 0:
+                # Fast-dLLM's Dream block cache: the block-start forward fixes the block's
+                # first position alone (Dream's proposal), and the schedule counts from 1.
+                sampling = _sampling(temperature, top_k, top_p, seed)
+                probs = dream_probs(logits[None, :1], sampling)
+                x[start] = int(dream_propose(probs, sampling, torch.tensor([0]),
+                                             torch.tensor([[start]]))[0, 0])
+                step += 1
+                if n == 1:
+                    break
+                continue
             res = algo.step(DenoiseInput(
                 logits=logits[None], tokens=torch.tensor([x[start:end]]),
                 editable=torch.ones(1, n, dtype=torch.bool), mask_id=mask_id,

@@ -133,6 +133,8 @@ NAMES = {
     "entropy",
     "factor",
     "hierarchical",
+    "sequential",
+    "confidence_threshold",
 }
 
 
@@ -163,6 +165,8 @@ def test_validate_merges_defaults_and_resolves_block_size():
         "steps_per_block": 32,
         "remasking": "low_confidence",
         "gumbel_fp64": False,
+        "all_steps": False,
+        "rank_unfiltered": False,
     }
     assert algo.validate({"steps_per_block": 8, "remasking": "random"}, 32)["steps_per_block"] == 8
     assert get_algorithm("maskgit_plus").validate({}, 256) == {"steps": 256, "alg_temp": 0.0}
@@ -212,7 +216,9 @@ def test_validate_rejects_wrong_types(name, key, value):
         ("threshold", "threshold", -0.1),
         ("joint_threshold", "edit_threshold", 1.01),
         ("joint_threshold", "max_post_edit_steps", -1),
-        ("low_confidence_static", "steps_per_block", 33),
+        ("low_confidence_static", "steps_per_block", -2),
+        ("sequential", "steps_per_block", -1),
+        ("confidence_threshold", "threshold", 1.5),
         ("low_confidence_dynamic", "steps_per_block", -1),
         ("hierarchical", "sub_block_size", 0),
         ("hierarchical", "sub_block_size", 33),
@@ -338,11 +344,74 @@ def test_static_gumbel_fp64_greedy_equals_default():
     assert torch.equal(a.tokens, b.tokens)
 
 
-def test_static_last_step_takes_every_remaining_mask():
+def test_static_quota_is_the_schedule_and_the_block_ends_with_it():
+    """LLaDA/SDAR: the last step takes its own quota (``get_num_transfer_tokens``), not
+    whatever is left; the block ends when the schedule does."""
     logits = torch.zeros(1, 6, V)
+    logits[..., M] = NEG
     out = run("low_confidence_static", logits, [[M] * 6], step=2, num_initial_masks=[6],
               config={"steps_per_block": 3})  # fmt: skip
-    assert out.num_transferred.tolist() == [6] and out.done.tolist() == [True]
+    assert out.num_transferred.tolist() == [2] and out.done.tolist() == [True]
+
+
+def test_static_quota_splits_the_block_length_in_a_prompt_block():
+    """SDAR / LLaDA2: the schedule splits the block length even when prompt positions fill
+    part of the block, capped by the masks left: the block takes fewer steps."""
+    logits = torch.zeros(1, 4, V)
+    logits[..., M] = NEG
+    editable = [[False, False, True, True]]
+    out = run("low_confidence_static", logits, [[1, 2, M, M]], editable=editable,
+              config={"steps_per_block": 2})  # quota 4 // 2 = 2: both masks at once
+    assert out.num_transferred.tolist() == [2] and out.done.tolist() == [True]
+    out = run("low_confidence_static", logits, [[1, 2, 3, M]], editable=[[False] * 3 + [True]],
+              step=0, config={"steps_per_block": 2})  # quota 2, capped by the one mask
+    assert out.num_transferred.tolist() == [1] and out.done.tolist() == [True]
+
+
+def test_static_zero_token_steps_and_all_steps():
+    """More steps than positions: the later steps have quota 0 (LLaDA). The block ends when
+    no mask is left (SDAR, LLaDA2), or with ``all_steps`` only at the last step (LLaDA)."""
+    logits = torch.zeros(1, 2, V)
+    logits[..., M] = NEG
+    cfg = {"steps_per_block": 4}
+    first = run("low_confidence_static", logits, [[M, M]], step=0, config=cfg)
+    assert first.num_transferred.tolist() == [1] and first.done.tolist() == [False]
+    second = run("low_confidence_static", logits, first.tokens, step=1, config=cfg)
+    assert second.num_transferred.tolist() == [1] and second.done.tolist() == [True]
+    cfg = {**cfg, "all_steps": True}
+    second = run("low_confidence_static", logits, first.tokens, step=1, config=cfg)
+    assert second.done.tolist() == [False]
+    third = run("low_confidence_static", logits, second.tokens, step=2, config=cfg)
+    last = run("low_confidence_static", logits, third.tokens, step=3, config=cfg)
+    assert third.num_transferred.tolist() == [0] and third.done.tolist() == [False]
+    assert last.num_transferred.tolist() == [0] and last.done.tolist() == [True]
+
+
+def test_the_mask_token_stays_in_the_vocabulary():
+    """LLaDA / SDAR / Dream: a position whose argmax is the mask id "transfers" the mask id,
+    so it stays masked and is ranked again; the softmax includes the mask token."""
+    logits = torch.full((1, 2, V), NEG)
+    logits[0, 0, M] = 5.0  # position 0 proposes the mask token
+    logits[0, 1, 3] = 1.0
+    logits[0, 1, M] = 1.0  # position 1: token 3 and the mask id tie: confidence 0.5
+    out = run("low_confidence_static", logits, [[M, M]], config={"steps_per_block": 2})
+    assert out.tokens.tolist() == [[M, M]] and out.num_transferred.tolist() == [1]
+    assert out.done.tolist() == [False]
+    out = run("low_confidence_static", logits, [[M, 7]], step=1, editable=[[True, True]],
+              num_initial_masks=[2], config={"steps_per_block": 2})
+    assert out.tokens.tolist() == [[M, 7]] and out.done.tolist() == [True]  # schedule over
+    conf = run("threshold", logits, [[7, M]], config={"threshold": 0.5})
+    assert conf.tokens.tolist() == [[7, 3]]  # 0.5 >= 0.5: the mask's probability counts
+
+
+def test_sequential_takes_the_leftmost_masks():
+    logits = torch.zeros(1, 6, V)
+    logits[..., M] = NEG
+    tokens = [[1, M, 2, M, M, M]]
+    editable = [[False, True, False, True, True, True]]
+    out = run("sequential", logits, tokens, editable=editable, config={"steps_per_block": 3})
+    assert filled(out) == [0, 1, 2, 3]  # quota 6 // 3 = 2: positions 1 and 3
+    assert out.done.tolist() == [False]
 
 
 # ---------------------------------------------------------------- low_confidence_dynamic
@@ -389,10 +458,13 @@ def test_threshold_takes_at_least_the_most_confident():
     assert out.done.tolist() == [False]
 
 
-def test_threshold_is_strict_and_ties_go_low():
+def test_threshold_keeps_equality_and_ties_go_low():
+    """Fast-dLLM: the top-1 always, the others unless ``conf < threshold``."""
     logits = torch.full((1, 4, V), NEG)
     logits[..., :2] = 0.0  # every confidence is exactly 0.5
     out = run("threshold", logits, [[5, M, M, M]], config={"threshold": 0.5})
+    assert out.tokens.tolist() == [[5, 0, 0, 0]]
+    out = run("threshold", logits, [[5, M, M, M]], config={"threshold": 0.6})
     assert out.tokens.tolist() == [[5, 0, M, M]]
 
 
@@ -539,18 +611,15 @@ def test_hierarchical_partial_last_sub_block_and_done():
 
 
 def dream_counts_reference(n: int, steps: int) -> list[int]:
-    """Dream's number_transfer_tokens, with this runtime's at-least-one rule."""
+    """Dream's ``number_transfer_tokens`` of each of its ``steps`` steps (0 allowed)."""
     timesteps = torch.linspace(1, 1e-3, steps + 1)
     counts = []
     for i in range(steps):
-        if n == 0:
-            break
         k = (
             int(torch.tensor(float(n)) * (1 - timesteps[i + 1] / timesteps[i]))
             if i < steps - 1
             else n
         )
-        k = max(1, min(k, n))
         counts.append(k)
         n -= k
     return counts
@@ -558,6 +627,7 @@ def dream_counts_reference(n: int, steps: int) -> list[int]:
 
 def run_dream(name, n, steps, config=None, seed=0):
     logits = torch.randn(1, n, V, generator=torch.Generator().manual_seed(seed))
+    logits[..., M] = NEG  # the schedule alone (no proposal of the mask token)
     tokens = torch.full((1, n), M)
     counts = []
     for i in range(steps + 1):
@@ -594,8 +664,9 @@ def test_dream_timestep_matches_cuda_values_on_any_device():
 
 def test_dream_transfer_counts():
     assert run_dream("maskgit_plus", 8, 4) == [1, 2, 2, 3]
-    # Dream's int(...) gives [0, 0, 0, 4] here; every step transfers at least one.
-    assert run_dream("maskgit_plus", 4, 4) == [1, 1, 1, 1]
+    # Dream's int(...) is 0 on the first steps here; the block still takes its 4 forwards.
+    assert run_dream("maskgit_plus", 4, 4) == [0, 1, 1, 2]
+    assert run_dream("entropy", 3, 6) == dream_counts_reference(3, 6)
     for name in ("maskgit_plus", "topk_margin", "entropy"):
         for n, steps in [(16, 8), (32, 32), (32, 5), (7, 12), (64, 16)]:
             assert run_dream(name, n, steps) == dream_counts_reference(n, steps)
@@ -608,11 +679,13 @@ def test_dream_ranking_signals_differ():
     b = torch.full((V,), math.log(0.55 / 7))
     b[3], b[M], b[4] = math.log(0.45), NEG, NEG
     b[5] = math.log(0.55 / 7)
-    logits = logits_of([[a, b]])
-    one = {"steps": 2}  # first of two steps: int(2 * 0.4995) = 0 -> at least one
-    assert filled(run("maskgit_plus", logits, [[M, M]], config=one)) == [0]
-    assert filled(run("topk_margin", logits, [[M, M]], config=one)) == [1]
-    assert filled(run("entropy", logits, [[M, M]], config=one)) == [0]
+    c = torch.zeros(V)  # uniform over the nine real tokens: last by every signal
+    c[M] = NEG
+    logits = logits_of([[a, b, c, c]])
+    one = {"steps": 2}  # first of two steps: int(4 * 0.4995) = 1
+    assert filled(run("maskgit_plus", logits, [[M] * 4], config=one)) == [0]
+    assert filled(run("topk_margin", logits, [[M] * 4], config=one)) == [1]
+    assert filled(run("entropy", logits, [[M] * 4], config=one)) == [0]
 
 
 def test_dream_alg_temp_draws_positions():
@@ -641,12 +714,13 @@ def test_dream_origin_transfers_by_coin_and_finishes():
     assert last.done.all() and (last.tokens != M).all()
 
 
-def test_dream_origin_at_least_one():
+def test_dream_origin_may_transfer_nothing():
     logits = torch.zeros(1, 2, V)
-    # p = 1 - s/t is tiny at the first of 1000 steps; a coin rarely lands.
-    for seed in range(20):
-        out = run("origin", logits, [[M, M]], config={"steps": 1000}, seed=seed)
-        assert out.num_transferred.item() >= 1
+    logits[..., M] = NEG
+    # p = 1 - s/t is tiny at the first of 1000 steps: Dream's coins rarely land.
+    moved = [run("origin", logits, [[M, M]], config={"steps": 1000}, seed=seed)
+             .num_transferred.item() for seed in range(20)]
+    assert moved.count(0) >= 18
 
 
 # ---------------------------------------------------------------- properties of all
@@ -666,8 +740,10 @@ def random_case(seed: int, bs: int = 5, block: int = 12):
 
 CONFIGS = {
     "low_confidence_static": [{"steps_per_block": 4}, {"remasking": "random"},
-                              {"gumbel_fp64": True, "steps_per_block": 5}],
+                              {"gumbel_fp64": True, "steps_per_block": 5},
+                              {"steps_per_block": 20, "all_steps": True}],
     "low_confidence_dynamic": [{"steps_per_block": 3, "threshold": 0.5}],
+    "sequential": [{"steps_per_block": 5}],
     "threshold": [{"threshold": 0.3}, {}],
     "joint_threshold": [{"threshold": 0.4, "edit_threshold": 0.2, "max_post_edit_steps": 3}],
     "entropy_bounded": [{"eb_gamma": 1.0}],
@@ -675,16 +751,24 @@ CONFIGS = {
     "maskgit_plus": [{"steps": 5}, {"steps": 4, "alg_temp": 0.3}],
     "topk_margin": [{"steps": 5}],
     "entropy": [{"steps": 50}],
+    "confidence_threshold": [{"steps": 1, "threshold": 0.5}],  # its masks % steps == 0
     "factor": [{"factor": 2.0}],
     "hierarchical": [{"sub_block_size": 4, "threshold": 0.5}],
 }  # fmt: skip
+# Rules that move at least one masked position every step (the threshold family); the
+# scheduled ones (LLaDA, SDAR, Dream) may take zero-token steps, as their references do.
+AT_LEAST_ONE = {"threshold", "joint_threshold", "entropy_bounded", "factor", "hierarchical"}
+# Rules whose block ends exactly at the last scheduled step (Dream: exactly ``steps`` forwards).
+EXACT_STEPS = {"origin", "maskgit_plus", "topk_margin", "entropy"}
 
 
 def step_bound(name: str, cfg: dict, block: int) -> int:
-    if name.startswith("low_confidence"):
+    if name in ("low_confidence_static", "low_confidence_dynamic", "sequential"):
         return cfg.get("steps_per_block", block)
-    if name in ("origin", "maskgit_plus", "topk_margin", "entropy"):
-        return min(cfg.get("steps", block), block)
+    if name in EXACT_STEPS:
+        return cfg.get("steps", block)
+    if name == "confidence_threshold":
+        return 2 * block
     if name == "joint_threshold":
         return block + cfg.get("max_post_edit_steps", 16) + 1
     return block
@@ -692,14 +776,19 @@ def step_bound(name: str, cfg: dict, block: int) -> int:
 
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_step_invariants_progress_and_termination(name):
+    """With logits that never propose the mask token: prompt and filled positions never
+    change, every masked position is filled by the end, the threshold family moves at least
+    one position a step, and each rule ends its block as its reference does."""
     for case, cfg in enumerate(CONFIGS[name]):
         g, tokens, editable = random_case(case)
         bs, block = tokens.shape
         n0 = ((tokens == M) & editable).sum(-1).tolist()
         state = get_algorithm(name).init_state(bs, "cpu")
         done = torch.zeros(bs, dtype=torch.bool)
-        for step in range(step_bound(name, cfg, block)):
+        bound = step_bound(name, cfg, block)
+        for step in range(bound):
             logits = torch.randn(bs, block, V, generator=g) * 2.5
+            logits[..., M] = NEG
             out = run(name, logits, tokens, editable=editable, step=step, config=cfg, state=state,
                       num_initial_masks=n0, temperature=[0.0, 1.0, 0.7, 1.0, 0.0],
                       top_k=[0, 0, 4, 0, 0], top_p=[1.0, 0.9, 1.0, 1.0, 1.0],
@@ -714,9 +803,16 @@ def test_step_invariants_progress_and_termination(name):
             fills = (changed & masked).sum(-1)
             assert torch.equal(out.num_transferred, fills)
             live = ~done
-            assert (fills[live & masked.any(-1)] >= 1).all(), "no progress"
-            if name != "joint_threshold":
-                assert torch.equal(out.done, ~((out.tokens == M) & editable).any(-1))
+            left = ((out.tokens == M) & editable).any(-1)
+            if name in AT_LEAST_ONE:
+                assert (fills[live & masked.any(-1)] >= 1).all(), "no progress"
+            if name in EXACT_STEPS:
+                assert torch.equal(out.done, torch.full_like(out.done, step + 1 == bound))
+            elif name == "joint_threshold" or (name == "low_confidence_static"
+                                                 and cfg.get("all_steps")):
+                assert not (out.done & left).any()
+            elif name != "confidence_threshold":
+                assert torch.equal(out.done, ~left)
             # rows already done are not stepped again (as in the engine)
             tokens = torch.where(done[:, None], tokens, out.tokens)
             state = {k: torch.where(done, state[k], v) for k, v in out.state.items()}

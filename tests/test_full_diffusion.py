@@ -139,15 +139,25 @@ def test_cached_modes_equal_naive_reference(engines, family, mode):
 
 @pytest.mark.parametrize("family", sorted(ARCHS))
 def test_cached_modes_agree_with_exact_at_block_starts(engines, family):
-    """A block's first step is a full forward in every mode, so with one step per block
-    prefix and dual give exactly the exact tokens, on the first block and every other."""
+    """A block's first step is a full forward in every mode. LLaDA (Fast-dLLM's LLaDA
+    caches): with one step per block prefix and dual give exactly the exact tokens, on the
+    first block and every other. Dream (Fast-dLLM's Dream block cache): that forward fixes the
+    block's first position alone, the exact one's token there, and one scheduled step ends
+    the block with its other positions still masked (the reference breaks out of the block
+    at its step count)."""
     llm = engines[family]
     prompt = prompt_of(6)
     outs = {mode: llm.generate(prompt, SamplingParams(
         max_new_tokens=8, ignore_eos=True, dllm={"block_size": 4, "steps": 2,
                                                  "cache_mode": mode}))[0].token_ids
             for mode in ("exact", "prefix", "dual")}
-    assert outs["prefix"] == outs["exact"] and outs["dual"] == outs["exact"]
+    if family != "dream":
+        assert outs["prefix"] == outs["exact"] and outs["dual"] == outs["exact"]
+    else:
+        mask = llm.engine.mask_token_id
+        for mode in ("prefix", "dual"):
+            assert outs[mode][0] == outs["exact"][0]
+            assert [t == mask for t in outs[mode]] == [i % 4 != 0 for i in range(8)]
     llm.engine.check_memory()
 
 
@@ -273,9 +283,10 @@ def test_settings_are_validated(engines, sdar_dir):
     with pytest.raises(ValueError, match="multiple of the number of blocks"):
         e.make_request([5, 6], SamplingParams(max_new_tokens=12, dllm={"block_size": 4,
                                                                        "steps": 4}))
-    with pytest.raises(ValueError, match="more than the block size"):
-        e.make_request([5, 6], SamplingParams(max_new_tokens=8, dllm={"block_size": 4,
-                                                                      "steps": 16}))
+    # More steps than masks is LLaDA's zero-token steps, not an error: every step runs.
+    out = engines["llada"].generate([5, 6], SamplingParams(
+        max_new_tokens=8, ignore_eos=True, dllm={"block_size": 4, "steps": 16}))[0]
+    assert out.num_denoise_forwards == 16 and len(out.token_ids) == 8
     sdar = LLM(sdar_dir).engine
     for bad in ({"cfg_scale": 1.0}, {"cache_mode": "dual"}, {"block_size": 8}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -13,11 +13,17 @@ from dllm.algorithms.base import (
     SamplingTensors,
     UnmaskingAlgorithm,
 )
-from dllm.algorithms.dream import DreamEntropy, DreamMaskGitPlus, DreamOrigin, DreamTopkMargin
+from dllm.algorithms.dream import (
+    DreamConfidenceThreshold,
+    DreamEntropy,
+    DreamMaskGitPlus,
+    DreamOrigin,
+    DreamTopkMargin,
+)
 from dllm.algorithms.entropy_bounded import EntropyBounded
 from dllm.algorithms.hierarchical import Hierarchical
 from dllm.algorithms.joint_threshold import JointThreshold
-from dllm.algorithms.low_confidence import LowConfidenceDynamic, LowConfidenceStatic
+from dllm.algorithms.low_confidence import LowConfidenceDynamic, LowConfidenceStatic, Sequential
 from dllm.algorithms.sampling import SampleOutput, sample_tokens
 from dllm.algorithms.threshold import Factor, Threshold
 
@@ -26,6 +32,7 @@ ALGORITHMS: dict[str, type[UnmaskingAlgorithm]] = {
     for cls in (
         LowConfidenceStatic,
         LowConfidenceDynamic,
+        Sequential,
         Threshold,
         JointThreshold,
         EntropyBounded,
@@ -33,6 +40,7 @@ ALGORITHMS: dict[str, type[UnmaskingAlgorithm]] = {
         DreamMaskGitPlus,
         DreamTopkMargin,
         DreamEntropy,
+        DreamConfidenceThreshold,
         Factor,
         Hierarchical,
     )

@@ -31,6 +31,7 @@ class SamplingTensors:
     # lets the step skip work no row needs; True is always correct.
     may_sample: bool = True  # some row may have temperature > 0 (else: no noise hashing)
     may_filter: bool = True  # some sampled row may use top-k / top-p (else: no vocab sort)
+    may_filter_any: bool = True  # some row, sampled or greedy, sets top-k / top-p (Dream)
 
 
 @dataclass
@@ -45,6 +46,15 @@ class DenoiseInput:
     sampling: SamplingTensors
     config: dict[str, Tensor]  # per-request settings stacked to [bs] tensors (stack_configs)
     state: dict[str, Tensor]  # per-row state kept across steps of one block; zeros at block start
+    # [bs] int64 positions of the block that a step schedule divides (prompt positions inside
+    # the block included: SDAR and LLaDA2 split the block length); None: the block width
+    block_len: Tensor | None = None
+
+    @property
+    def schedule_len(self) -> Tensor:
+        if self.block_len is not None:
+            return self.block_len
+        return torch.full_like(self.step, self.tokens.shape[-1])
 
 
 @dataclass
@@ -74,6 +84,8 @@ KNOWN_KEYS: frozenset[str] = frozenset(
         "factor",
         "remasking",
         "gumbel_fp64",
+        "all_steps",
+        "rank_unfiltered",
     }
 )
 
@@ -132,7 +144,7 @@ class KeySpec:
 KEY_SPECS: dict[str, KeySpec] = {
     "threshold": KeySpec(float, 0.0, 1.0),
     "edit_threshold": KeySpec(float, 0.0, 1.0),
-    "steps_per_block": KeySpec(int, 0, _BLOCK, zero_means_block=True),
+    "steps_per_block": KeySpec(int, 0, None, zero_means_block=True),
     "steps": KeySpec(int, 0, None, zero_means_block=True),
     "max_post_edit_steps": KeySpec(int, 0, None),
     "eb_gamma": KeySpec(float, 0.0, None),
@@ -141,6 +153,8 @@ KEY_SPECS: dict[str, KeySpec] = {
     "factor": KeySpec(float, 0.0, None, low_inclusive=False),
     "remasking": KeySpec(str, choices=("low_confidence", "random")),
     "gumbel_fp64": KeySpec(bool),
+    "all_steps": KeySpec(bool),
+    "rank_unfiltered": KeySpec(bool),
 }
 assert set(KEY_SPECS) <= KNOWN_KEYS
 

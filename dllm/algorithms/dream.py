@@ -1,7 +1,9 @@
-"""Dream's denoising schedules: ``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``.
+"""Dream's denoising schedules: ``origin``, ``maskgit_plus``, ``topk_margin``, ``entropy``, and
+Fast-dLLM's ``confidence_threshold``.
 
 Reference: Dream ``generation_utils.py`` (``DreamGenerationMixin._sample``,
-``sample_tokens``). Dream decodes the whole canvas as one block in ``steps`` forwards with
+``sample_tokens``), as Fast-dLLM ships it (``dream/model/generation_utils.py``). Dream decodes
+the whole canvas as one block in exactly ``steps`` forwards with
 ``timesteps = linspace(1, eps, steps + 1)`` and ``eps = 1e-3``. At step ``i``
 (``t = timesteps[i]``, ``s = timesteps[i + 1]``):
 
@@ -9,37 +11,52 @@ Reference: Dream ``generation_utils.py`` (``DreamGenerationMixin._sample``,
   ``1 - s / t`` (1 on the last step), with a token from the sampler.
 * the others transfer ``int(n * (1 - s / t))`` masked positions (``n`` masks left; all of
   them on the last step), ranked by a confidence: ``maskgit_plus`` the probability of the
-  sampled token, ``topk_margin`` top-1 minus top-2 probability, ``entropy`` the negative
-  entropy ``sum p log(p + 1e-10)``. With ``alg_temp > 0`` the positions are drawn without
-  replacement from ``softmax(confidence / alg_temp)`` (as Gumbel-top-k over the counter
-  RNG) instead of taken greedily.
+  proposed token, ``topk_margin`` top-1 minus top-2 probability, ``entropy`` the negative
+  entropy ``sum p log(p + 1e-10)``. The count may be 0 (no position moves that step; e.g. the
+  first step when ``steps`` equals the number of masks). With ``alg_temp > 0`` the positions
+  are drawn without replacement from ``softmax(confidence / alg_temp)`` (as Gumbel-top-k
+  over the counter RNG) instead of taken greedily.
+
+Dream's distribution (``dream_probs``): the logits divided by the temperature when it is
+positive, then top-p, then top-k (filtered logits set to the float32 minimum), then a float32
+softmax over the whole vocabulary: the filters apply at temperature 0 too, and the mask
+token is a token like any other (a position whose proposal is the mask id stays masked).
+The greedy proposal is the first maximum. Confidences are ranked as float32 values (the
+reference's own quantity), ties to the lower position.
 
 The schedule reproduces Dream's float32 arithmetic, with ``linspace`` evaluated as CUDA's
 kernel does (``start + step * i`` in the first half, ``end - step * (steps - i)`` in the
-second, each a fused multiply-add).
+second, each a fused multiply-add; the CPU kernel gives the same values for every step count
+the vector tests use).
 
-Deviations: every step transfers at least one position while masks remain (Dream's
-``int(...)`` is 0 on some steps, e.g. the first step when ``steps`` equals the number of
-masks, and ``origin`` may draw no position), so a block can finish in fewer forwards than
-Dream takes; Dream's sampler applies top-p before top-k, ours top-k first.
+Deviation: the reference shares one count over a batch (from the batch-mean mask count);
+here each request gets its own count, which is the reference's whenever the rows have equal
+mask counts. Sampled draws use the counter RNG, not torch's.
 
 Keys: ``steps`` (int, default 0 = block size), ``alg_temp`` (float >= 0, default 0; not
-read by ``origin``). Probabilities are float32 of the tempered, filtered distribution.
-Ties: lower position first.
+read by ``origin``); ``confidence_threshold`` reads ``steps`` and ``threshold``.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dllm.algorithms.base import DenoiseInput, DenoiseOutput, UnmaskingAlgorithm
+from dllm.algorithms.base import DenoiseInput, DenoiseOutput, SamplingTensors, UnmaskingAlgorithm
 from dllm.algorithms.reductions import fixed_order_sum
-from dllm.algorithms.rng import Stream, gumbel_from_uniform, position_uniform
-from dllm.algorithms.sampling import SampleOutput, log_confidence, sample_tokens
-from dllm.algorithms.selection import at_least_one, finish, masked_positions, select_top
+from dllm.algorithms.rng import (
+    Stream,
+    counter_key,
+    gumbel_from_uniform,
+    position_uniform,
+    unit_float32,
+    vocab_bits,
+)
+from dllm.algorithms.selection import finish, masked_positions, rank_positions, select_top
 
 EPS = 1e-3
 
@@ -71,19 +88,66 @@ def dream_timestep(index: Tensor, steps: Tensor) -> Tensor:
 
 
 def transfer_fraction(x: DenoiseInput) -> tuple[Tensor, Tensor]:
-    """``(1 - s / t)`` as float32 and whether this is the last scheduled step, ``[bs]``."""
+    """``(1 - s / t)`` as float32 and whether this is the last scheduled step, ``[bs]``. A
+    step past the schedule moves nothing (fraction 0): Fast-dLLM's Dream block cache, whose
+    block-start forward is step 0, ends a block of one scheduled step with such a forward."""
     steps = x.config["steps"]
-    last = x.step >= steps - 1
+    last = x.step == steps - 1
     index = torch.minimum(x.step, steps - 1)
     t = dream_timestep(index, steps)
     s = dream_timestep(index + 1, steps)
-    return 1.0 - s / t, last
+    return torch.where(x.step >= steps, 0.0, 1.0 - s / t), last
+
+
+def schedule_over(x: DenoiseInput) -> Tensor:
+    """``[bs]`` bool: this is the last step of the schedule (or past it)."""
+    return x.step + 1 >= x.config["steps"]
+
+
+def dream_probs(logits: Tensor, sampling: SamplingTensors) -> Tensor:
+    """Dream's ``sample_tokens`` distribution per position (module docstring), float32."""
+    x = logits.float()
+    bs = x.shape[0]
+    t = sampling.temperature.float()
+    x = x / torch.where(t > 0, t, 1.0).view(bs, 1, 1)
+    if not sampling.may_filter_any:
+        return torch.softmax(x, dim=-1)
+    lowest = torch.finfo(torch.float32).min
+    ordered, order = torch.sort(x, dim=-1, descending=True)
+    top_p = sampling.top_p.float().view(bs, 1, 1)
+    cumulative = torch.cumsum(torch.softmax(ordered, dim=-1), dim=-1)
+    drop = torch.cat([torch.zeros_like(cumulative[..., :1], dtype=torch.bool),
+                      cumulative[..., :-1] > top_p], dim=-1) & (top_p < 1)
+    x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), lowest)
+    # top-k over the top-p-filtered logits: their k-th largest, read off the same sort
+    k = sampling.top_k.clamp(0, x.shape[-1]).view(bs, 1, 1)
+    kth_at = (k - 1).clamp(min=0).expand(bs, x.shape[1], 1)
+    kth = torch.where(drop.gather(-1, kth_at), lowest, ordered.gather(-1, kth_at))
+    x = x.masked_fill((x < kth) & (k > 0), lowest)
+    return torch.softmax(x, dim=-1)
+
+
+def dream_propose(probs: Tensor, sampling: SamplingTensors, step: Tensor,
+                  positions: Tensor) -> Tensor:
+    """``[bs, B]`` the proposed token: the first maximum of ``probs``, or for a sampling
+    row a Gumbel-max draw from them with the counter RNG."""
+    greedy = probs.argmax(dim=-1)
+    if not sampling.may_sample:
+        return greedy
+    bits = vocab_bits(counter_key(sampling.seed, step, positions, Stream.TOKEN),
+                      probs.shape[-1])
+    drawn = (torch.log(probs) + gumbel_from_uniform(unit_float32(bits))).argmax(dim=-1)
+    return torch.where((sampling.temperature > 0)[:, None], drawn, greedy)
+
+
+def _propose(x: DenoiseInput) -> tuple[Tensor, Tensor]:
+    probs = dream_probs(x.logits, x.sampling)
+    return probs, dream_propose(probs, x.sampling, x.step, x.positions)
 
 
 class DreamOrigin(UnmaskingAlgorithm):
-    """Dream ``alg="origin"``: independent per-position transfers (module docstring).
-    The per-position coin is a counter-RNG uniform; if no coin lands, the position with the
-    smallest uniform transfers."""
+    """Dream ``alg="origin"``: independent per-position transfers (module docstring), the
+    per-position coin a counter-RNG uniform; a step may transfer nothing."""
 
     name = "origin"
     defaults = {"steps": 0}
@@ -93,11 +157,11 @@ class DreamOrigin(UnmaskingAlgorithm):
         fraction, last = transfer_fraction(x)
         p = torch.where(last, 1.0, fraction)
         u = position_uniform(x.sampling.seed, x.step, x.positions, Stream.POSITION)
-        coin = masked & (u < p[:, None])
-        fallback = select_top(u, masked, torch.ones_like(x.step), descending=False)
-        transfer = torch.where(coin.any(dim=-1, keepdim=True), coin, fallback)
-        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
-        return finish(x, sample.x0, transfer, masked)
+        transfer = masked & (u < p[:, None])
+        _, x0 = _propose(x)
+        out = finish(x, x0, transfer, masked)
+        out.done = schedule_over(x)
+        return out
 
 
 class _DreamRanked(UnmaskingAlgorithm):
@@ -105,8 +169,8 @@ class _DreamRanked(UnmaskingAlgorithm):
 
     defaults = {"steps": 0, "alg_temp": 0.0}
 
-    def confidence(self, sample: SampleOutput) -> tuple[Tensor, Tensor]:
-        """(Dream's confidence, a ranking key with the same order and finer resolution)."""
+    def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
+        """Dream's confidence of each position, ``[bs, B]`` float32."""
         raise NotImplementedError
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
@@ -114,27 +178,29 @@ class _DreamRanked(UnmaskingAlgorithm):
         num_masked = masked.sum(dim=-1)
         fraction, last = transfer_fraction(x)
         count = (num_masked.to(torch.float32) * fraction).to(torch.int64)
-        count = at_least_one(torch.where(last, num_masked, count), num_masked)
+        count = torch.where(last, num_masked, count)
 
-        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
-        confidence, rank_key = self.confidence(sample)
+        probs, x0 = _propose(x)
+        confidence = self.confidence(probs, x0)
         alg_temp = x.config["alg_temp"]
         sampled = alg_temp > 0
         gumbel = gumbel_from_uniform(
             position_uniform(x.sampling.seed, x.step, x.positions, Stream.ORDER)
         )
         drawn = confidence / torch.where(sampled, alg_temp, 1.0)[:, None] + gumbel
-        key = torch.where(sampled[:, None], drawn, rank_key)
-        return finish(x, sample.x0, select_top(key, masked, count), masked)
+        key = torch.where(sampled[:, None], drawn, confidence)
+        out = finish(x, x0, select_top(key, masked, count), masked)
+        out.done = schedule_over(x)
+        return out
 
 
 class DreamMaskGitPlus(_DreamRanked):
-    """Dream ``alg="maskgit_plus"``: rank by the sampled token's probability."""
+    """Dream ``alg="maskgit_plus"``: rank by the proposed token's probability."""
 
     name = "maskgit_plus"
 
-    def confidence(self, sample: SampleOutput) -> tuple[Tensor, Tensor]:
-        return sample.confidence, log_confidence(sample)
+    def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
+        return probs.gather(-1, x0[..., None]).squeeze(-1)
 
 
 class DreamTopkMargin(_DreamRanked):
@@ -142,10 +208,9 @@ class DreamTopkMargin(_DreamRanked):
 
     name = "topk_margin"
 
-    def confidence(self, sample: SampleOutput) -> tuple[Tensor, Tensor]:
-        top2 = sample.logprobs.topk(2, dim=-1).values.exp()
-        margin = top2[..., 0] - top2[..., 1]
-        return margin, margin
+    def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
 
 
 class DreamEntropy(_DreamRanked):
@@ -153,7 +218,49 @@ class DreamEntropy(_DreamRanked):
 
     name = "entropy"
 
-    def confidence(self, sample: SampleOutput) -> tuple[Tensor, Tensor]:
-        p = sample.logprobs.exp()
-        neg_entropy = fixed_order_sum(p * torch.log(p + 1e-10))
-        return neg_entropy, neg_entropy
+    def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
+        return fixed_order_sum(probs * torch.log(probs + 1e-10))
+
+
+class DreamConfidenceThreshold(UnmaskingAlgorithm):
+    """Fast-dLLM's Dream ``alg="confidence_threshold"`` (``generation_utils.py``): a quota of
+    ``masks // steps`` per step (``masks`` counted at the start); each step takes the
+    ``quota + carried`` most confident masked positions (Dream's ``maskgit_plus``
+    confidence), commits the best always and the others unless ``conf < threshold``, and
+    carries the rest to the next step. A rejection on the last scheduled step sets the quota
+    to 0 from then on and adds exactly one step (the carried positions are then the whole
+    quota); the block ends when the (extended) steps are used up.
+
+    Keys: ``steps`` (int, default 0 = block size), ``threshold`` (float in [0, 1], default
+    0.9). State: ``carry`` (positions deferred by the last step), ``extra_steps`` (steps
+    added; the quota is 0 once it is positive). Ties: lower position first.
+    """
+
+    name = "confidence_threshold"
+    defaults = {"steps": 0, "threshold": 0.9}
+    state_keys = ("carry", "extra_steps")
+
+    def validate(self, config: Mapping[str, Any], block_size: int) -> dict:
+        out = super().validate(config, block_size)
+        if block_size % out["steps"]:
+            raise ValueError(f"'steps' = {out['steps']} must divide the block's {block_size} "
+                             "masks for confidence_threshold (as its reference asserts)")
+        return out
+
+    def step(self, x: DenoiseInput) -> DenoiseOutput:
+        masked = masked_positions(x)
+        steps = x.config["steps"] + x.state["extra_steps"]
+        base = x.num_initial_masks // x.config["steps"].clamp(min=1)
+        quota = torch.where(x.state["extra_steps"] > 0, 0, base) + x.state["carry"]
+        probs, x0 = _propose(x)
+        confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
+        rank = rank_positions(confidence, masked)
+        chosen = (rank < quota[:, None]) & masked
+        rejected = chosen & (rank > 0) & (confidence < x.config["threshold"][:, None])
+        deferred = rejected.sum(dim=-1)
+        extend = (x.step >= steps - 1) & (deferred > 0)
+        extra = x.state["extra_steps"] + extend.to(torch.int64)
+        out = finish(x, x0, chosen & ~rejected, masked,
+                     done=x.step + 1 >= x.config["steps"] + extra,
+                     state={"carry": deferred, "extra_steps": extra})
+        return out

@@ -8,6 +8,7 @@ from dllm.algorithms.base import DenoiseInput, DenoiseOutput, UnmaskingAlgorithm
 from dllm.algorithms.reductions import fixed_order_cumsum
 from dllm.algorithms.sampling import entropy, sample_tokens
 from dllm.algorithms.selection import finish, masked_positions, rank_positions
+from dllm.algorithms.threshold import bounded
 
 
 class EntropyBounded(UnmaskingAlgorithm):
@@ -32,7 +33,7 @@ class EntropyBounded(UnmaskingAlgorithm):
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
-        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step)
         h = entropy(sample.logprobs)
         rank = rank_positions(h, masked, descending=False)
         order = torch.argsort(rank, dim=-1)
@@ -41,4 +42,4 @@ class EntropyBounded(UnmaskingAlgorithm):
         before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
         take_sorted = before <= x.config["eb_gamma"][:, None]
         take = take_sorted.gather(-1, rank) & masked
-        return finish(x, sample.x0, take, masked)
+        return bounded(finish(x, sample.x0, take, masked), x)

@@ -8,6 +8,7 @@ import torch
 from dllm.algorithms.base import DenoiseInput, DenoiseOutput, UnmaskingAlgorithm
 from dllm.algorithms.sampling import log_confidence, sample_tokens
 from dllm.algorithms.selection import finish, masked_positions, select_top
+from dllm.algorithms.threshold import bounded
 
 
 class Hierarchical(UnmaskingAlgorithm):
@@ -37,7 +38,7 @@ class Hierarchical(UnmaskingAlgorithm):
         sub_block = index[None, :] // x.config["sub_block_size"][:, None]
         first = torch.where(masked, sub_block, block).amin(dim=-1, keepdim=True)
         active = masked & (sub_block == first)
-        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step)
         above = active & (sample.confidence > x.config["threshold"][:, None])
         best = select_top(log_confidence(sample), active, torch.ones_like(x.step))
-        return finish(x, sample.x0, above | best, masked)
+        return bounded(finish(x, sample.x0, above | best, masked), x)

@@ -1,4 +1,5 @@
-"""Fixed-quota low-confidence remasking (LLaDA, SDAR) and SDAR's dynamic variant."""
+"""Fixed-quota low-confidence remasking (LLaDA, SDAR, LLaDA2), SDAR's dynamic variant and
+SDAR's sequential order."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from dllm.algorithms.base import DenoiseInput, DenoiseOutput, UnmaskingAlgorithm
 from dllm.algorithms.rng import Stream, position_uniform
 from dllm.algorithms.sampling import log_confidence, sample_tokens
 from dllm.algorithms.selection import (
-    at_least_one,
     finish,
     llada_quota,
     masked_positions,
+    rank_positions,
     select_top,
 )
 
@@ -20,75 +21,123 @@ _RANDOM = 1  # index of "random" in KEY_SPECS["remasking"].choices
 
 
 def step_quota(x: DenoiseInput, masked: Tensor) -> Tensor:
-    """This step's quota: LLaDA's split of ``num_initial_masks`` over ``steps_per_block``;
-    the last scheduled step (and any later one) takes every remaining mask; at least one."""
-    steps = x.config["steps_per_block"]
-    num_masked = masked.sum(dim=-1)
-    quota = llada_quota(x.num_initial_masks, steps, x.step)
-    quota = torch.where(x.step >= steps - 1, num_masked, quota)
-    return at_least_one(quota, num_masked)
+    """This step's quota: ``get_num_transfer_tokens(block length, steps)[step]`` (LLaDA, SDAR,
+    LLaDA2: the schedule divides the block's length, prompt positions inside it included),
+    capped by the masks left. A block that shares positions with the prompt therefore takes
+    fewer steps; a step past the schedule, or of a schedule longer than the block, has
+    quota 0 (zero-token steps, as in the references)."""
+    quota = llada_quota(x.schedule_len, x.config["steps_per_block"], x.step)
+    return torch.minimum(quota, masked.sum(dim=-1))
+
+
+def schedule_done(x: DenoiseInput, masked_after: Tensor) -> Tensor:
+    """``[bs]`` bool: the block ends after this step when no mask is left, or (``all_steps``
+    unset) never later than the last scheduled step; with ``all_steps`` (LLaDA's
+    ``generate``) exactly at the last scheduled step, zero-token steps included. A position
+    whose proposal was the mask token itself stays masked (the references keep the mask id
+    in the vocabulary); it stays so when the schedule ends."""
+    last = x.step + 1 >= x.config["steps_per_block"]
+    empty = ~masked_after.any(dim=-1)
+    return torch.where(x.config["all_steps"], last, empty | last)
 
 
 class LowConfidenceStatic(UnmaskingAlgorithm):
     """Fixed quota per step, highest confidence first.
 
     Reference: LLaDA ``generate.py`` (``get_num_transfer_tokens``, ``low_confidence`` /
-    ``random`` remasking) and SDAR ``generate.py`` (``low_confidence_static``).
+    ``random`` remasking), SDAR ``generate.py`` / ``huggingface_bd3.py``
+    (``low_confidence_static``) and LLaDA2 ``generate`` with ``threshold`` 1.
 
-    Keys: ``steps_per_block`` (int, default 0 = block size): the quota of step ``i`` is
-    ``n // steps + (i < n % steps)`` with ``n = num_initial_masks``; ``remasking``
-    (``"low_confidence"`` | ``"random"``, default ``"low_confidence"``): rank masked
-    positions by the confidence of their sampled token, or by a counter-RNG uniform
-    (LLaDA's ``torch.rand`` remasking); ``gumbel_fp64`` (bool, default False): LLaDA's
-    float64 ``exp(l) / (-log u) ** T`` draw with plain-softmax confidence (LLaDA parity);
-    False uses the shared sampler, whose confidence is the tempered, filtered softmax
-    (SDAR parity).
+    Keys: ``steps_per_block`` (int >= 0, default 0 = block size; more steps than positions
+    give zero-token steps); ``remasking`` (``"low_confidence"`` | ``"random"``, default
+    ``"low_confidence"``): rank masked positions by the confidence of their sampled token, or
+    by a counter-RNG uniform (LLaDA's ``torch.rand`` remasking); ``gumbel_fp64`` (bool,
+    default False): LLaDA's float64 ``exp(l) / (-log u) ** T`` draw with plain-softmax
+    confidence (LLaDA parity); False uses the shared sampler, whose confidence is the
+    tempered, filtered softmax (SDAR parity); ``all_steps`` (bool, default False): run every
+    scheduled step even after the block has no mask left (LLaDA's loop; the engine sets it
+    for the LLaDA family); ``rank_unfiltered`` (bool, default False): rank by the tempered
+    softmax before top-k / top-p (SDAR's evaluation wrapper ``huggingface_bd3.py``; its
+    ``generate.py`` ranks the filtered one, the default).
 
-    Softmax float32 (ranked by log-probability, see ``sampling``). Ties: lower position
-    first. The last scheduled step takes every remaining mask and every step at least one,
-    so a block always finishes in ``steps_per_block`` steps.
+    The quota (``step_quota``) splits the block length over the steps, capped by the masks
+    left. The mask token is part of the vocabulary: a position whose proposal is the mask id
+    stays masked and is ranked again (``schedule_done``). Softmax float32 over the whole
+    vocabulary, ranked by log-probability (``sampling``). Ties: lower position first.
     """
 
     name = "low_confidence_static"
-    defaults = {"steps_per_block": 0, "remasking": "low_confidence", "gumbel_fp64": False}
+    defaults = {"steps_per_block": 0, "remasking": "low_confidence", "gumbel_fp64": False,
+                "all_steps": False, "rank_unfiltered": False}
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
-        sample = sample_tokens(
-            x.logits, x.sampling, x.positions, x.step,
-            exclude_id=x.mask_id, gumbel_fp64=x.config["gumbel_fp64"],
-        )  # fmt: skip
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step,
+                               gumbel_fp64=x.config["gumbel_fp64"],
+                               unfiltered_confidence=x.config["rank_unfiltered"])
         random = position_uniform(x.sampling.seed, x.step, x.positions, Stream.POSITION)
         score = torch.where(
             (x.config["remasking"] == _RANDOM)[:, None], random, log_confidence(sample)
         )
         transfer = select_top(score, masked, step_quota(x, masked))
-        return finish(x, sample.x0, transfer, masked)
+        return _finish_scheduled(x, sample.x0, transfer, masked)
+
+
+def _finish_scheduled(x: DenoiseInput, x0: Tensor, transfer: Tensor,
+                      masked: Tensor) -> DenoiseOutput:
+    out = finish(x, x0, transfer, masked)
+    out.done = schedule_done(x, (out.tokens == x.mask_id) & x.editable)
+    return out
 
 
 class LowConfidenceDynamic(UnmaskingAlgorithm):
     """Every masked position whose confidence is above ``threshold`` when at least the
     quota of them are, otherwise the top-quota.
 
-    Reference: SDAR ``generate.py`` (``low_confidence_dynamic``).
+    Reference: SDAR ``generate.py`` / ``huggingface_bd3.py`` (``low_confidence_dynamic``)
+    and LLaDA2 ``generate`` (its ``threshold`` rule).
 
     Keys: ``threshold`` (float in [0, 1], default 0.85, SDAR's), compared strictly
-    (``conf > threshold``); ``steps_per_block`` (int, default 0 = block size) for the
-    LLaDA quota of :class:`LowConfidenceStatic`. SDAR splits the block length rather than
-    the initial mask count; the two agree on blocks without prompt positions.
+    (``conf > threshold``, as both references); ``steps_per_block`` (int >= 0, default 0 =
+    block size) for :func:`step_quota`, the static rule's quota; ``all_steps`` and
+    ``rank_unfiltered`` as for :class:`LowConfidenceStatic`.
 
-    Confidence: tempered, filtered softmax of the sampled token (float32, ranked by
-    log-probability). Ties: lower position first.
+    Confidence: tempered, filtered softmax of the sampled token (float32, whole vocabulary,
+    ranked by log-probability). Ties: lower position first.
     """
 
     name = "low_confidence_dynamic"
-    defaults = {"threshold": 0.85, "steps_per_block": 0}
+    defaults = {"threshold": 0.85, "steps_per_block": 0, "all_steps": False,
+                "rank_unfiltered": False}
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
-        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step, exclude_id=x.mask_id)
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step,
+                               unfiltered_confidence=x.config["rank_unfiltered"])
         quota = step_quota(x, masked)
         high = masked & (sample.confidence > x.config["threshold"][:, None])
         enough = (high.sum(dim=-1) >= quota)[:, None]
         transfer = torch.where(enough, high, select_top(log_confidence(sample), masked, quota))
-        return finish(x, sample.x0, transfer, masked)
+        return _finish_scheduled(x, sample.x0, transfer, masked)
+
+
+class Sequential(UnmaskingAlgorithm):
+    """The quota of masked positions nearest the block start, left to right.
+
+    Reference: SDAR ``generate.py`` (``remasking_strategy="sequential"``: the
+    ``num_transfer_tokens[step]`` positions from the first mask on).
+
+    Keys: ``steps_per_block`` (int >= 0, default 0 = block size) for :func:`step_quota`.
+    The sampled token (tempered, filtered, whole vocabulary) fills each chosen position.
+    """
+
+    name = "sequential"
+    defaults = {"steps_per_block": 0, "all_steps": False}
+
+    def step(self, x: DenoiseInput) -> DenoiseOutput:
+        masked = masked_positions(x)
+        sample = sample_tokens(x.logits, x.sampling, x.positions, x.step)
+        order = torch.arange(x.tokens.shape[-1], device=x.tokens.device, dtype=torch.float32)
+        rank = rank_positions(order.expand_as(x.tokens), masked, descending=False)
+        transfer = (rank < step_quota(x, masked)[:, None]) & masked
+        return _finish_scheduled(x, sample.x0, transfer, masked)

@@ -84,12 +84,17 @@ def sample_tokens(
     *,
     exclude_id: int | None = None,
     gumbel_fp64: Tensor | None = None,
+    unfiltered_confidence: Tensor | None = None,
 ) -> SampleOutput:
     """Sample one token per position. ``logits [bs, B, V]`` (any float dtype),
     ``positions [bs, B]`` absolute positions, ``step [bs]`` denoise step.
 
-    ``exclude_id`` (the mask token) is never proposed. ``gumbel_fp64 [bs] bool`` switches
-    rows to LLaDA's float64 sampler (module docstring)."""
+    ``exclude_id`` (a token) is never proposed; the algorithms named after a reference pass
+    none (the references keep the mask token in the vocabulary). ``gumbel_fp64 [bs] bool``
+    switches rows to LLaDA's float64 sampler (module docstring). ``unfiltered_confidence
+    [bs] bool`` rows take their confidence (and ``logprobs``) from the tempered softmax before
+    top-k / top-p, the token still drawn from the filtered one (SDAR's evaluation
+    wrapper)."""
     if not sampling.may_sample and (fused := _greedy_kernel(logits)) is not None:
         x0, log_conf = fused(logits, exclude_id)
         return SampleOutput(x0, log_conf, lambda: _plain_logprobs(logits, exclude_id))
@@ -112,6 +117,8 @@ def sample_tokens(
     if sampling.may_filter:
         filtered = scaled.masked_fill(~_filter_mask(scaled, top_k, top_p), _NEG_INF)
     logprobs = log_probs(filtered)
+    if unfiltered_confidence is not None and sampling.may_filter:
+        logprobs = torch.where(unfiltered_confidence[:, None, None], log_probs(scaled), logprobs)
 
     if not sampling.may_sample:
         x0 = filtered.argmax(dim=-1)

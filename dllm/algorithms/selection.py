@@ -42,9 +42,10 @@ def select_top(score: Tensor, candidate: Tensor, count: Tensor, descending: bool
 
 def llada_quota(num_initial_masks: Tensor, steps: Tensor, step: Tensor) -> Tensor:
     """LLaDA's ``get_num_transfer_tokens``: ``n // steps`` per step, one more on the first
-    ``n % steps`` steps. ``[bs]`` int64 for the current ``step``."""
+    ``n % steps`` steps, 0 past the last step. ``[bs]`` int64 for the current ``step``."""
     steps = steps.clamp(min=1)
-    return num_initial_masks // steps + (step < num_initial_masks % steps).to(torch.int64)
+    quota = num_initial_masks // steps + (step < num_initial_masks % steps).to(torch.int64)
+    return torch.where(step < steps, quota, 0)
 
 
 def at_least_one(count: Tensor, num_masked: Tensor) -> Tensor:
