@@ -213,7 +213,7 @@ class Engine:
         diffusion = kind == "block_diffusion"
         mask_id, shift = self.mask_token_id, self.info.spec.logits_shift
 
-        def post_for(mode: ForwardMode, bs: int, group: str, flags: tuple[bool, bool]):
+        def post_for(mode: ForwardMode, bs: int, group: str, flags: tuple[bool, bool, bool]):
             if mode is ForwardMode.DLLM_EXTEND:
                 return DenoisePost({group: list(range(bs))}, bs, mask_id, shift, flags)
             return SampleNext(flags)
