@@ -52,8 +52,7 @@ class CudaGraphRunner(Runner):
     """``post_for(mode, bs, group, flags)`` gives the post-step to capture: the unmasking
     algorithm ``group`` over ``bs`` rows for ``DLLM_EXTEND``, the sampler for ``DECODE``;
     ``flags`` = (some row samples, some sampled row filters, some row filters), so a greedy
-    batch replays a
-    graph without the sampling work."""
+    batch replays a graph without the sampling work."""
 
     def __init__(self, owner: ModelRunner, block_size: int, sizes: list[int], max_context: int,
                  page_size: int,
