@@ -238,10 +238,9 @@ def test_denoise_step_has_no_host_sync(llm):
         e.add_request(r)
     while any(r.req_pool_idx is None or r.needs_prefill for r in reqs):  # past prefill
         e.step()
-    (work,) = e.scheduler.schedule()
-    batch = work.batch
+    (batch,) = e.scheduler.schedule()
     assert batch.mode is ForwardMode.DLLM_EXTEND and batch.batch_size == len(reqs)
-    post = work.make_post(batch)
+    post = e.runner.post_for(batch)
 
     with forbid_host_sync():
         out = e.runner.forward(batch, post)
