@@ -45,28 +45,28 @@ if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0 skips the GPU tests (all of them: ~6-7
   timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 \
     -m gpu ${TEST_FILES:-tests/test_gpu*.py tests/test_algorithms.py} 2>&1 | tee "$OUT/gpu-tests.log"
 fi
-# Kernel microbenchmarks, one per ';'-separated "script args" entry, e.g.
+# Kernel microbenchmarks (bench/kernels/), one per ';'-separated "script args" entry, e.g.
 # MICRO="skinny_gemm.py --sweep; triton_attention.py"
 IFS=';' read -ra micros <<< "${MICRO:-}"
 for i in "${!micros[@]}"; do
   # shellcheck disable=SC2086
-  timeout "${MICRO_TIMEOUT:-200}" python3 bench/${micros[$i]} --out "$OUT" \
+  timeout "${MICRO_TIMEOUT:-200}" python3 bench/kernels/${micros[$i]} --out "$OUT" \
     2>&1 | tee "$OUT/micro-$i.log"
 done
 if [ -n "${GEMM_ARGS:-}" ]; then  # e.g. GEMM_ARGS="--tokens 1,4,512"
   # shellcheck disable=SC2086
-  timeout "${GEMM_TIMEOUT:-120}" python3 bench/gemm_shapes.py --out "$OUT" $GEMM_ARGS \
+  timeout "${GEMM_TIMEOUT:-120}" python3 bench/kernels/gemm_shapes.py --out "$OUT" $GEMM_ARGS \
     2>&1 | tee "$OUT/gemm.log"
 fi
 if [ $# -gt 0 ]; then  # the offline benchmark's arguments; none skips it
-  timeout "${BENCH_TIMEOUT:-400}" python3 bench/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+  timeout "${BENCH_TIMEOUT:-400}" python3 bench/engine/offline.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
 # One profile per ';'-separated argument list, e.g.
 # PROFILE_ARGS="--model sdar-8b --batch-size 128; --model sdar-8b --batch-size 1"
 IFS=';' read -ra profiles <<< "${PROFILE_ARGS:-}"
 for i in "${!profiles[@]}"; do
   # shellcheck disable=SC2086
-  timeout "${PROFILE_TIMEOUT:-150}" python3 bench/profile_step.py --out "$OUT" ${profiles[$i]} \
+  timeout "${PROFILE_TIMEOUT:-150}" python3 bench/engine/profile_step.py --out "$OUT" ${profiles[$i]} \
     2>&1 | tee "$OUT/profile-$i.log"
 done
 if [ -n "${ONLINE_MODEL:-}" ]; then  # e.g. ONLINE_MODEL=sdar-8b ONLINE_ARGS="--concurrency 32"
@@ -74,7 +74,7 @@ if [ -n "${ONLINE_MODEL:-}" ]; then  # e.g. ONLINE_MODEL=sdar-8b ONLINE_ARGS="--
   # them as wheels in .whl-server (see bench/NOTES.md).
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     .whl-server/*.whl || exit 1
-  ckpt=$(python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
+  ckpt=$(python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench/engine'); \
 from offline import checkpoint_dir; print(checkpoint_dir('$ONLINE_MODEL', Path('/tmp/ckpt')))")
   python3 -m dllm.cli serve --model "$ckpt" --load-format dummy --port 8000 \
     --context-length 4096 --max-running-requests "${ONLINE_MAX_RUNNING:-64}" \
@@ -87,7 +87,7 @@ timeout=1)" 2>/dev/null && break
     sleep 1
   done
   # shellcheck disable=SC2086
-  timeout "${ONLINE_TIMEOUT:-200}" python3 bench/online.py --out "$OUT" ${ONLINE_ARGS:-} \
+  timeout "${ONLINE_TIMEOUT:-200}" python3 bench/engine/online.py --out "$OUT" ${ONLINE_ARGS:-} \
     2>&1 | tee "$OUT/online.log"
   kill "$server"
 fi

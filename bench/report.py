@@ -22,7 +22,8 @@ def require_cuda(script: str) -> bool:
     """True on a CUDA machine; else says that ``script`` needs one (the caller exits 2)."""
     if torch.cuda.is_available():
         return True
-    print(f"bench/{Path(script).name} needs a CUDA GPU", file=sys.stderr)
+    path = Path(script).resolve()
+    print(f"bench/{path.parent.name}/{path.name} needs a CUDA GPU", file=sys.stderr)
     return False
 
 
@@ -151,6 +152,16 @@ def matmul_rates(seconds: float = 3.0, n: int = 8192) -> dict[str, float]:
     return {"burst": burst, "max_sm_mhz": max_mhz,
             "sustained": statistics.median(rates[len(rates) // 2:]),
             "sustained_sm_mhz": clock.mhz() if clock else float("nan")}
+
+
+def measure_ceilings() -> dict[str, float]:
+    """HBM bandwidth (bytes read + written by a copy) and the bf16 matmul rate, sustained
+    (``bf16_flops_per_s``) and burst (see ``matmul_rates``)."""
+    bw = copy_bandwidth()
+    mm = matmul_rates()
+    return {"hbm_bytes_per_s": bw, "bf16_flops_per_s": mm["sustained"],
+            "bf16_flops_per_s_burst": mm["burst"], "sustained_sm_mhz": mm["sustained_sm_mhz"],
+            "max_sm_mhz": mm["max_sm_mhz"]}
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:

@@ -2,7 +2,7 @@
 SDAR-8B / Qwen3-8B weight shapes at 1-16 tokens, bf16, with the copy-bandwidth ceiling measured
 in the same run.
 
-    python bench/skinny_gemm.py --tokens 1,4,8,16 [--sweep] [--lm-head]
+    python bench/kernels/skinny_gemm.py --tokens 1,4,8,16 [--sweep] [--lm-head]
 
 Each time is the median over replays of a CUDA graph holding many calls, the calls taking
 turns among enough weight copies (>= 400 MB together, several times the 50-60 MB L2) that
@@ -27,16 +27,25 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import copy_bandwidth, environment, refused, require_cuda, rotating_us, write_report
 
 try:
     from dllm.runner import skinny_gemm as sg
 except ImportError:  # not installed: load the module from the checkout
-    _path = Path(__file__).resolve().parent.parent / "runner" / "skinny_gemm.py"
+    _path = Path(__file__).resolve().parents[2] / "runner" / "skinny_gemm.py"
     _spec = importlib.util.spec_from_file_location("skinny_gemm", _path)
     sg = importlib.util.module_from_spec(_spec)
     sys.modules["skinny_gemm"] = sg
     _spec.loader.exec_module(sg)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import (  # noqa: E402
+    copy_bandwidth,
+    environment,
+    refused,
+    require_cuda,
+    rotating_us,
+    write_report,
+)
 
 # (name, N, K) of the 8B shapes (hidden 4096, intermediate 12288, 32/8 heads of 128).
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),

@@ -2,7 +2,7 @@
 the step's token counts, with each BLAS library torch can call (cuBLAS, cuBLASLt), next to
 the copy bandwidth and matmul rate measured in the same run.
 
-    python bench/gemm_shapes.py --tokens 1,4,512
+    python bench/kernels/gemm_shapes.py --tokens 1,4,512
 
 Prints a table and writes ``gemm-*.md`` / ``.json`` under ``--out``.
 """
@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline import measure_ceilings  # noqa: E402
-from report import environment, require_cuda, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import environment, measure_ceilings, require_cuda, write_report  # noqa: E402
 
 # (name, K, N) of the 8B shape (hidden 4096, intermediate 12288, 32/8 heads of 128).
 SHAPES = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 24576),

@@ -3,7 +3,7 @@ shapes: 512 tokens), in the forms cuBLAS can be asked for, between the neighbour
 gives them (the add + RMSNorm before, the down projection after), 36 layers of distinct
 weights in one CUDA graph.
 
-    python bench/gate_up_forms.py [--tokens 512]
+    python bench/kernels/gate_up_forms.py [--tokens 512]
 
 Why: in the batch-128 step profile (profile-20261130-0203-…) cuBLAS runs gate/up (and the LM
 head) as ``nvjet_…_256x128_…_coopA`` with a memset before it, and the GPU idles 4.1 µs between
@@ -26,13 +26,17 @@ differently: max relative error < 2e-2). Writes ``gate-up-forms-<stamp>.md`` / `
 from __future__ import annotations
 
 import argparse
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, graph_us, refused, require_cuda, write_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import environment, graph_us, refused, require_cuda, write_report  # noqa: E402
 
 HIDDEN, INTER, LAYERS = 4096, 12288, 36
 

@@ -2,7 +2,7 @@
 requests/s, output tokens/s, tokens per forward and forwards per block.
 
     python -m dllm.testing SDARForCausalLM /tmp/tiny-sdar
-    python bench/engine.py --model /tmp/tiny-sdar --batch-size 1,16 --algorithm threshold
+    python bench/engine/engine.py --model /tmp/tiny-sdar --batch-size 1,16 --algorithm threshold
 
 Every request gets the same prompt length and ``max_new_tokens`` with ``ignore_eos``; the
 ``--batch-size`` requests are submitted at once and run to completion (continuous batching
@@ -16,9 +16,12 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
-from report import stamp, write_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import stamp, write_report  # noqa: E402
 
 
 def run(model: str | None, bs: int, algorithm: str, config: dict, prompt_len: int,

@@ -1,7 +1,7 @@
 """Offline speed on one GPU: per-step latency and output tokens/s of random-weight models of
 real shapes, next to the roofline of each case, measured in the same run.
 
-    python bench/offline.py --models sdar-8b,qwen3-8b --batch-sizes 1,8,32,128
+    python bench/engine/offline.py --models sdar-8b,qwen3-8b --batch-sizes 1,8,32,128
 
 Block-diffusion models run ``low_confidence_static`` with one token per denoise step (a fixed
 schedule, so the figures do not depend on random-weight confidences); a step is one
@@ -36,11 +36,12 @@ import time
 from pathlib import Path
 
 import torch
-from report import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import (  # noqa: E402
     ClockRead,
-    copy_bandwidth,
     environment,
-    matmul_rates,
+    measure_ceilings,
     require_cuda,
     stamp,
     write_report,
@@ -63,16 +64,6 @@ SHAPES = {
                     num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4,
                     first_k_dense_replace=1, block_size=32)),
 }
-
-
-def measure_ceilings() -> dict[str, float]:
-    """HBM bandwidth (bytes read + written by a copy) and the bf16 matmul rate, sustained
-    (``bf16_flops_per_s``) and burst (see ``report.matmul_rates``)."""
-    bw = copy_bandwidth()
-    mm = matmul_rates()
-    return {"hbm_bytes_per_s": bw, "bf16_flops_per_s": mm["sustained"],
-            "bf16_flops_per_s_burst": mm["burst"], "sustained_sm_mhz": mm["sustained_sm_mhz"],
-            "max_sm_mhz": mm["max_sm_mhz"]}
 
 
 def checkpoint_dir(name: str, root: Path) -> str:

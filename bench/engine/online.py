@@ -4,7 +4,7 @@ Poisson arrivals; request throughput, output tokens/s, TTFT, TPOT and end-to-end
 percentiles. Prints a table and writes ``bench/results/online-*.json`` / ``.md``.
 
     dllm serve --model DIR --port 8000 &
-    python bench/online.py --base-url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
+    python bench/engine/online.py --base-url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
 
 Prompts are random words of ``--prompt-words`` words; every request asks for ``--max-tokens``
 with ``ignore_eos`` (a dllm extension, ignored elsewhere) so all requests do the same work.
@@ -23,9 +23,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
-from report import stamp, write_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import stamp, write_report  # noqa: E402
 
 WORDS = ("the of and to in is was for on are with as by at from his an were which this have "
          "model block token mask diffusion answer number word river stone light music garden").split()

@@ -1,7 +1,7 @@
 """Where one engine step's time goes, on a GPU: the kernels of a denoise (or decode) step and
 the host work around them, from ``torch.profiler``, for a random-weight model of real shape.
 
-    python bench/profile_step.py --model sdar-8b --batch-size 1 --runner cuda_graph
+    python bench/engine/profile_step.py --model sdar-8b --batch-size 1 --runner cuda_graph
 
 Prints the host time of each phase of a step (scheduling, loading the inputs, attention
 planning, launching, reading the result, applying it), the top kernels by GPU time per step
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from offline import SHAPES, checkpoint_dir, warm_engine  # noqa: E402
 from report import require_cuda  # noqa: E402
 

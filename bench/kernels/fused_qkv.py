@@ -4,7 +4,7 @@ kernels through ``FlashInferOps`` when flashinfer imports, else the torch refere
 against the fused Triton kernels of ``dllm.runner.fused_qkv``, at SDAR-8B / Qwen3-8B shapes
 (32/8 heads of 128, qk-norm, rope_theta 1e6, full rotary).
 
-    python bench/fused_qkv.py --tokens 1,4,512
+    python bench/kernels/fused_qkv.py --tokens 1,4,512
 
 Each variant is captured as a CUDA graph of ``--iters`` consecutive layers (the layers write
 their own KV buffers, 36 of them in turn, as a step does) and replayed: the per-layer time
@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
-from report import environment, require_cuda, write_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import environment, require_cuda, write_report  # noqa: E402
 
 H, HKV, D, THETA, EPS, LAYERS, MAX_POS = 32, 8, 128, 1e6, 1e-6, 36, 40960
 

@@ -3,7 +3,7 @@
 path at large batch, with and without its two head permutations) and its paged prefill with
 ``causal=False``, on SDAR-8B and LLaDA2-mini shapes, over a KV pool of shuffled pages.
 
-    python bench/triton_attention.py --rows 1,8,32,128 --keys 330 [--sweep]
+    python bench/kernels/triton_attention.py --rows 1,8,32,128 --keys 330 [--sweep]
 
 Each form is checked against a float32 reference first. ``µs``: the median of single calls
 each after a read of 256 MB (L2 holds other, clean data: the KV comes from HBM, as in a step
@@ -19,11 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
-from report import copy_bandwidth, environment, require_cuda, stamp, write_report
 
 from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import copy_bandwidth, environment, require_cuda, stamp, write_report  # noqa: E402
 
 # name: (query heads, KV heads, head dim, block size)
 MODELS = {"sdar-8b": (32, 8, 128, 4), "llada2-mini": (16, 4, 128, 32),

@@ -4,7 +4,7 @@ o_proj (+ residual, next norm), gate/up (1/rms, SiLU-and-mul in the epilogue) an
 (+ residual, next norm), each reading the previous one's output, 36 layers of distinct weights
 (7.8 GB, far past the L2), replayed as one CUDA graph.
 
-    python bench/layer_chain.py [--tokens 4] [--layers 36]
+    python bench/kernels/layer_chain.py [--tokens 4] [--layers 36]
 
 Per variant: the chain's time per step, per layer, and against the bytes it reads at the copy
 ceiling measured in the same run. Variants: plain launches; the weights loaded with an L2
@@ -19,11 +19,22 @@ the bits must be equal). Writes ``layer-chain-<stamp>.md`` / ``.json`` under ``-
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from report import copy_bandwidth, environment, graph_us, refused, require_cuda, write_report
 
 from dllm.runner import skinny_gemm as sg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import (  # noqa: E402
+    copy_bandwidth,
+    environment,
+    graph_us,
+    refused,
+    require_cuda,
+    write_report,
+)
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144
 EPS = 1e-6

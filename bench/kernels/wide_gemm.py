@@ -3,7 +3,7 @@ question behind folding SiLU-and-mul and the add + RMSNorm into GEMM epilogues a
 (bench/NOTES.md, "Left"): those kernels and their gaps cost ~1 ms a step, so an own GEMM pays
 only if it comes within ~3% of cuBLAS (767 TFLOP/s on gate/up in isolation).
 
-    python bench/wide_gemm.py [--tokens 512] [--shapes qkv,o_proj,gate_up,down]
+    python bench/kernels/wide_gemm.py [--tokens 512] [--shapes qkv,o_proj,gate_up,down]
 
 A plain ``y = x @ W.T`` (x ``[M, K]``, W ``[N, K]``, both K-major, bf16, float32 accumulation)
 in four forms: tiles loaded through pointers (Triton pipelines them, ``num_stages``) and
@@ -15,7 +15,7 @@ is checked against ``F.linear`` (relative error < 1e-2) and timed as the median 
 replays of 20 calls taking turns among 4 weight copies, next to cuBLAS timed the same way.
 Writes ``wide-gemm-<stamp>.md`` / ``.json`` under ``--out``.
 
-    python bench/wide_gemm.py --chain 128,256,512,1024,4096
+    python bench/kernels/wide_gemm.py --chain 128,256,512,1024,4096
 
 times instead what the runtime runs from o_proj to the next layer's norm, with cuBLAS and
 FlashInfer's kernels against ``dllm.runner.wide_gemm`` (``wide-chain-<stamp>``).
@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import environment, refused, require_cuda, rotating_us, write_report
 
 from dllm.runner.wide_gemm import _sms, _tile  # the runtime's tile order
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
+from report import environment, refused, require_cuda, rotating_us, write_report  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
