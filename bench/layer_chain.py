@@ -1,5 +1,5 @@
 """The batch-1 GEMM chain of a whole 8B step, as the model runs it, under launch variants of the
-skinny GEMM (``dllm.runner.skinny_gemm``): every layer's q/k/v (1/rms from the partials),
+skinny GEMM (``dllm.runner.kernels.skinny_gemm``): every layer's q/k/v (1/rms from the partials),
 o_proj (+ residual, next norm), gate/up (1/rms, SiLU-and-mul in the epilogue) and down
 (+ residual, next norm), each reading the previous one's output, 36 layers of distinct weights
 (7.8 GB, far past the L2), replayed as one CUDA graph.
@@ -23,7 +23,7 @@ import argparse
 import torch
 from report import copy_bandwidth, environment, graph_us, refused, require_cuda, write_report
 
-from dllm.runner import skinny_gemm as sg
+from dllm.runner.kernels import skinny_gemm as sg
 
 HIDDEN, INTER, QKV = 4096, 12288, 6144
 EPS = 1e-6

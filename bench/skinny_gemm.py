@@ -1,6 +1,6 @@
-"""The Triton skinny GEMM (``dllm.runner.skinny_gemm``) against cuBLAS (``F.linear``) on the
-SDAR-8B / Qwen3-8B weight shapes at 1-16 tokens, bf16, with the copy-bandwidth ceiling measured
-in the same run.
+"""The Triton skinny GEMM (``dllm.runner.kernels.skinny_gemm``) against cuBLAS (``F.linear``)
+on the SDAR-8B / Qwen3-8B weight shapes at 1-16 tokens, bf16, with the copy-bandwidth ceiling
+measured in the same run.
 
     python bench/skinny_gemm.py --tokens 1,4,8,16 [--sweep] [--lm-head]
 
@@ -13,7 +13,7 @@ the weight plus x and the output once. Every result is checked against a float64
 ``--sweep`` times a handful of candidate configurations per shape and prints, per (N, K), the
 configuration with the least total time over the token counts (configs are keyed on (N, K)
 only, never on M, so a row's result does not depend on the batch) and whether it beats cuBLAS
-at every token count, as a ``CONFIGS`` table to paste into ``runner/skinny_gemm.py``.
+at every token count, as a ``CONFIGS`` table to paste into ``runner/kernels/skinny_gemm.py``.
 Writes ``skinny-gemm-<timestamp>.md`` / ``.json`` under ``--out``.
 """
 
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from report import copy_bandwidth, environment, refused, require_cuda, rotating_us, write_report
 
 try:
-    from dllm.runner import skinny_gemm as sg
+    from dllm.runner.kernels import skinny_gemm as sg
 except ImportError:  # not installed: load the module from the checkout
-    _path = Path(__file__).resolve().parent.parent / "runner" / "skinny_gemm.py"
+    _path = Path(__file__).resolve().parent.parent / "runner" / "kernels" / "skinny_gemm.py"
     _spec = importlib.util.spec_from_file_location("skinny_gemm", _path)
     sg = importlib.util.module_from_spec(_spec)
     sys.modules["skinny_gemm"] = sg
@@ -210,7 +210,7 @@ def main() -> int:
             lines.append(f"| {name} | {n} | {k} | {best.label()} | " + " | ".join(
                 f"{sel[m]['us']:.1f} ({sel[m]['tb_s']:.2f}, {sel[m]['vs_cublas']:.2f}x)"
                 for m in tokens) + f" | {all(sel[m]['vs_cublas'] > 1 for m in tokens)} |")
-        lines += ["", "Paste into `runner/skinny_gemm.py`:", "", "```python",
+        lines += ["", "Paste into `runner/kernels/skinny_gemm.py`:", "", "```python",
                   "CONFIGS: dict[tuple[int, int], SkinnyConfig] = {"]
         for name, n, k in shapes:
             c = recommended.get(f"{n},{k}")

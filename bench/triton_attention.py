@@ -23,7 +23,7 @@ import sys
 import torch
 from report import copy_bandwidth, environment, require_cuda, stamp, write_report
 
-from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
+from dllm.runner.kernels.triton_extend import default_config, dllm_extend_attention, reference
 
 # name: (query heads, KV heads, head dim, block size)
 MODELS = {"sdar-8b": (32, 8, 128, 4), "llada2-mini": (16, 4, 128, 32),

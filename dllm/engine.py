@@ -191,7 +191,7 @@ class Engine:
         cfg = self.config
         if (self.device.type == "cuda"
                 and resolve_backend_name(cfg.attention_backend, self.device) == "flashinfer"):
-            from dllm.runner.kernels import FlashInferOps, TritonOps
+            from dllm.runner.layer_ops import FlashInferOps, TritonOps
 
             ops = TritonOps if triton_available() else FlashInferOps
             install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))

@@ -5,8 +5,8 @@ At 512 rows cuBLAS runs the 8B shapes at the matmul rate, and what costs time be
 the small memory-bound kernels between them: SiLU-and-mul after gate/up (12 µs a layer), the
 residual add + RMSNorm after o_proj (6 µs), and a memset cuBLAS puts before its gate/up
 kernel, which the GPU idles 4 µs behind (SDAR-8B batch 128: 0.43 + 0.21 + 0.15 ms a step).
-Two Triton kernels take them in, the same two fusions as the skinny GEMM's
-(``dllm.runner.skinny_gemm``) with the same contract (``PreNormed``), for M >= ``MIN_M``:
+Two Triton kernels take them in, the same two fusions as the skinny GEMM's (``skinny_gemm``)
+with the same contract (``PreNormed``), for M >= ``MIN_M``:
 
 * ``linear_residual`` (o_proj; ``residual_pays`` says for which shapes): ``y = x @ W.T``
   over a grid of 128 x 128 tiles (pointer loads, 5 stages), with the epilogue of the skinny
@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dllm.runner.skinny_gemm import residual_operands_match
+from dllm.runner.kernels.skinny_gemm import residual_operands_match
 
 __all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "supports",
            "supports_gate_up", "supports_residual"]

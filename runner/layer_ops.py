@@ -8,16 +8,15 @@ from a float32 cos/sin table indexed by position. Each kernel keeps float32 insi
 once, so results match the reference within the activation dtype's rounding. Dtypes
 FlashInfer has no kernel for (float32) take the reference path.
 
-``TritonOps`` adds the project's Triton kernels where Triton is installed: the q/k head norms,
-RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``), and a
-weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
-for some of those shapes and adds a reduction kernel) that also takes the residual add +
-RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after gate/up.
-From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the output projections
-whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
-``dllm.runner.wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real
-models, whose MLP is wider than the hidden size) down stay with cuBLAS and FlashInfer's add +
-RMSNorm.
+``TritonOps`` adds the project's Triton kernels (``dllm.runner.kernels``) where Triton is
+installed: the q/k head norms, RoPE and the KV-cache write of a layer as one launch
+(``fused_qkv``), and a weight-streaming GEMM for at most 16 tokens (``skinny_gemm``; cuBLAS
+splits K for some of those shapes and adds a reduction kernel) that also takes the residual
+add + RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after
+gate/up. From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the output
+projections whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
+``wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real models, whose MLP
+is wider than the hidden size) down stay with cuBLAS and FlashInfer's add + RMSNorm.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ class TritonOps(FlashInferOps):
 
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
         super().__init__(model, max_positions, device)
-        from dllm.runner import fused_qkv, skinny_gemm, wide_gemm
+        from dllm.runner.kernels import fused_qkv, skinny_gemm, wide_gemm
 
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
