@@ -1,5 +1,5 @@
 """The ``DLLM_EXTEND`` attention of one layer alone: the Triton paged kernel
-(runner/attention/triton_extend.py) against FlashInfer's packed decode form (the production
+(runner/kernels/triton_extend.py) against FlashInfer's packed decode form (the production
 path at large batch, with and without its two head permutations) and its paged prefill with
 ``causal=False``, on SDAR-8B and LLaDA2-mini shapes, over a KV pool of shuffled pages.
 

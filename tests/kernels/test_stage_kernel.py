@@ -1,6 +1,6 @@
-"""``dllm.runner.kernels.stage_kernel``: the one-launch carry gather and cache-slot lookup of a batch
-of uniform rows equals the registry's torch path exactly, and ``InputRegistry.load`` takes it
-on CUDA (the same views as on the CPU).
+"""``dllm.runner.kernels.stage_kernel``: the one-launch carry gather and cache-slot lookup of a
+batch of uniform rows equals the registry's torch path exactly, and ``InputRegistry.load``
+takes it on CUDA (the same views as on the CPU).
 
 GPU tests (marker ``gpu``). With ``TRITON_INTERPRET=1`` the kernel test also runs on the CPU
 under Triton's interpreter."""

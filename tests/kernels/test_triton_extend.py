@@ -1,5 +1,5 @@
 """GPU tests of the Triton paged attention for ``DLLM_EXTEND`` and ``DECODE``
-(runner/attention/triton_extend.py) against the SDPA backend: every output element written,
+(runner/kernels/triton_extend.py) against the SDPA backend: every output element written,
 padding rows zero, runs deterministic, a row's bits independent of its batch, and the launch
 captured in a CUDA graph equal to the eager launch."""
 
