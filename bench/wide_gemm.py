@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from report import environment, refused, require_cuda, rotating_us, write_report
 
-from dllm.runner.kernels.wide_gemm import _sms, _tile  # the runtime's tile order
+from dllm.runner.kernels.hardware import num_sms
+from dllm.runner.kernels.wide_gemm import _tile  # the runtime's tile order
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -151,7 +152,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, form: str,
     if form == "tma":
         _gemm_tma_kernel[grid](x, w, y, m, n, k, **meta)
     elif form.startswith("persistent"):
-        programs = min(grid[0], _sms(x.device))
+        programs = min(grid[0], num_sms(x.device))
         _gemm_persistent_kernel[(programs,)](x, w, y, m, n, k, NUM_PROGRAMS=programs,
                                              WARP_SPECIALIZE=form.endswith("ws"), **meta)
     else:

@@ -35,7 +35,7 @@ from dllm.runner.attention.base import AttentionBackend, AttentionLayer
 from dllm.runner.attention.mask import visibility
 from dllm.runner.attention.page_table import build_page_table
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
-from dllm.runner.layer_ops import pdl_enabled
+from dllm.runner.kernels.hardware import num_sms
 
 WORKSPACE_BYTES = 256 * 2**20
 # Key splits of the Triton ``DLLM_EXTEND`` kernel at small batch: a row of a few hundred keys
@@ -72,8 +72,10 @@ class FlashInferBackend(AttentionBackend):
         CUDA-graph wrappers refuse any other batch size). Otherwise a general backend (the
         eager runner) for batches of any shape."""
         self.device = device
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.pdl = pdl_enabled(device)  # for the Triton kernel
+        self.num_sms = num_sms(device)
+        # Programmatic dependent launch of the Triton kernel stays off: measured slower
+        # (``layer_ops.FlashInferOps.pdl``).
+        self.pdl = False
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)

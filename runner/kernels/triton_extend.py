@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import torch
 
+from dllm.runner.kernels import hardware
+
 try:
     import triton
     import triton.language as tl
@@ -79,10 +81,13 @@ def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv
             and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
 
 
-def splits_for(rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
+def splits_for(rows: int, num_kv_heads: int, num_sms: int | None = None) -> int:
     """Key splits for a batch of ``rows`` rows: enough that rows × Hkv × splits ≥ 2 × the SM
-    count, at most :data:`MAX_SPLITS`, 1 once rows × Hkv alone fills the GPU. From host numbers
+    count (``num_sms``: the device's; None, the reference device's, ``hardware.REFERENCE``),
+    at most :data:`MAX_SPLITS`, 1 once rows × Hkv alone fills the GPU. From host numbers
     only (never the lengths), so a CUDA graph captured for ``rows`` fits any replayed batch."""
+    if num_sms is None:
+        num_sms = hardware.num_sms(None)
     programs = max(rows, 1) * max(num_kv_heads, 1)
     return max(1, min(MAX_SPLITS, -(-2 * num_sms // programs)))
 

@@ -47,21 +47,25 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from dllm.runner.kernels.hardware import num_sms
 from dllm.runner.kernels.skinny_gemm import residual_operands_match
 
 __all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "supports",
            "supports_gate_up", "supports_residual"]
 
-# Fewest rows the wide kernels take (``DLLM_WIDE_MIN_TOKENS``); below, cuBLAS and the
-# separate kernels (from 17 rows) or the skinny GEMM (to 16).
-MIN_M = int(os.environ.get("DLLM_WIDE_MIN_TOKENS", "512"))
+# Fewest rows the wide kernels take; below, cuBLAS and the separate kernels (from 17 rows) or
+# the skinny GEMM (to 16). From 256 rows the layer's chain was slower (177.1 µs against 145.5)
+# and without the wide kernels the SDAR-8B batch-128 step too (15.01 ms against 14.77;
+# bench/NOTES.md, session 7).
+MIN_M = 512
 _HALF = (torch.float16, torch.bfloat16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
 RESIDUAL_WARPS, RESIDUAL_STAGES = 4, 5
-# The gate/up kernel's pipeline depth (``DLLM_WIDE_SILU_STAGES``, for A/B runs): 3 and 4
-# stages measured within machine-to-machine noise of each other (bench/NOTES.md, sessions 7, 8).
-SILU_WARPS, SILU_STAGES = 8, int(os.environ.get("DLLM_WIDE_SILU_STAGES", "4"))
+# The gate/up kernel's pipeline depth (``bench/wide_gemm.py`` sets it for A/B runs): 3 stages
+# measured within machine-to-machine noise of 4 in session 7 and slower in session 8, in situ
+# 14.55 ms a step against 14.21 and 14.43 (bench/NOTES.md).
+SILU_WARPS, SILU_STAGES = 8, 4
 
 
 @triton.jit
@@ -228,15 +232,6 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     return stream, scaled, sum_sq
 
 
-_SMS: dict[torch.device, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | None = None,
                  eps: float = 0.0) -> torch.Tensor:
     """``silu(gate) * up`` of SwiGLU's fused ``[gate; up]`` weight (``2N`` rows): ``[M, N]``,
@@ -252,7 +247,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | N
     # One program an SM, or one a tile where there are fewer tiles; the loop's stride is the
     # SM count whatever the grid (a program then takes one tile), so that a token count
     # never compiles a variant of its own. The interpreter: one program a tile.
-    stride = 1 if _INTERPRET else _sms(x.device)
+    stride = 1 if _INTERPRET else num_sms(x.device)
     programs = tiles if _INTERPRET else min(tiles, stride)
     parts = 0 if sum_sq is None else sum_sq.shape[0]
     _gate_up_kernel[(programs,)](
