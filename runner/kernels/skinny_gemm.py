@@ -36,12 +36,12 @@ programmatic dependent launch (``pdl``) letting the next kernel launch at a prog
 or once its input is ready, the chain took 1.54-1.61x (the waiting programs of the next
 kernel hold SM slots the running one needs), and after the main loop 1.15-1.20x, with 0-16
 MB of each weight prefetched into L2 and with an ``evict_first`` policy on the weights alike
-(layer-chain-20261130-021023); ``evict_first`` alone changes nothing (1.143x).
+(bench/NOTES.md, session 6); ``evict_first`` alone changes nothing (1.143x).
 
 **Determinism and row independence.** There are no atomics and no run-time autotuning: the
-configuration comes from a fixed table keyed on (N, K) only (``CONFIGS``, with a default
-heuristic for shapes not in it), so the tiling, the K order and the split reduction are the same
-for every M and every process. The kernel is compiled once per configuration, not per M (M is
+configuration comes from a fixed table keyed on the device's compute capability and (N, K)
+only (``CONFIGS``, with a default heuristic for shapes not in it), so the tiling, the K order
+and the split reduction are the same for every M and every process on a device. The kernel is compiled once per configuration, not per M (M is
 not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
 the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
 output is bit-identical whether it is computed alone or in a batch of up to 16.
@@ -58,14 +58,14 @@ the next norm's weight and writes each program's partial sums of ``s²``; the pr
 order and scales its float32 accumulator by ``1 / rms(s)`` at the end; with ``silu`` it
 streams its gate rows and the matching up rows and writes ``silu(gate) * up``. At batch 1 that
 removes three of a layer's ten launches (two add + RMSNorm kernels and the SiLU kernel).
-Measured per call on the 8B shapes at 1-4 tokens (``skinny-fused-20261130-012342``): the
+Measured per call on the 8B shapes at 1-4 tokens (bench/NOTES.md, session 5): the
 producer epilogue costs 0.7-1.3 µs over the plain kernel, the consumer's 0.4-1.2 µs, SiLU at
 64 + 64 rows 0.9 µs (at 32 + 32 rows, mma.sync instead of wgmma, 8.5 µs); in the SDAR-8B batch-1
 step, 5.05 → 4.68 ms together with the one-launch ``position_uniform``.
 
 Work in the K loop is what must not be added: a first version normalised x tile by tile
 inside the loop (the sum of squares, the norm weight, the residual add) and took qkv from 15.5
-to 57 µs and gate/up from 49.5 to 78 µs (181 with SiLU) (``skinny-fused-20261130-010727``),
+to 57 µs and gate/up from 49.5 to 78 µs (181 with SiLU) (bench/NOTES.md, session 5),
 like an earlier attempt to form SiLU-and-mul in the down projection's K loop (57-133 µs
 against 27 + 4-8 µs).
 """

@@ -19,17 +19,15 @@ with the same contract (``PreNormed``), for M >= ``MIN_M``:
   rounded once.
 
 **Measured** (H200, 512 rows, CUDA-graph replay, weights rotated through > L2;
-``bench/wide_gemm.py``, wide-gemm-20261130-030420): the plain forms of these tiles against
+``bench/wide_gemm.py``; bench/NOTES.md, session 7): the plain forms of these tiles against
 cuBLAS: gate/up 138.8 µs vs 136.9 (the persistent TMA form; the best non-persistent one
 150.1), o_proj 25.5 vs 24.4, down 70.9 vs 68.1; qkv 43.0 vs 35.7 (its 48 column tiles leave
-the grid at 1.45 waves), so qkv stays with cuBLAS. With the fusions
-(wide-variants-20261130-031554 / -033038, wide-chain-20261130-032221): o_proj + residual step
-27.7 µs against 24.4 + 5.9 for cuBLAS and FlashInfer's add + RMSNorm; gate/up + SiLU 134.6-
-152.8 µs across stage counts and machines against 136.9 + ~12 + the memset's 4; the o_proj →
-MLP chain a layer 270.2 µs against 278.3 at 512 rows, 522.8 against 545.0 at 1024, but 177.1
-against 145.5 at 256 (two row tiles: 1.45 waves), hence ``MIN_M`` = 512. SDAR-8B batch 128,
-back to back on one machine: 14.77 ms a step against 15.01 (offline-20261130-032226 /
--032258).
+the grid at 1.45 waves), so qkv stays with cuBLAS. With the fusions (session 7 too): o_proj +
+residual step 27.7 µs against 24.4 + 5.9 for cuBLAS and FlashInfer's add + RMSNorm; gate/up +
+SiLU 134.6-152.8 µs across stage counts and machines against 136.9 + ~12 + the memset's 4; the
+o_proj → MLP chain a layer 270.2 µs against 278.3 at 512 rows, 522.8 against 545.0 at 1024,
+but 177.1 against 145.5 at 256 (two row tiles: 1.45 waves), hence ``MIN_M`` = 512. SDAR-8B
+batch 128, back to back on one machine: 14.77 ms a step against 15.01.
 
 **Determinism and row independence**: a fixed configuration (no autotuning), no atomics, the
 K order and the partial sums' order fixed; a row's result depends only on that row (rows
@@ -122,7 +120,7 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
     row_ok = rm < M
     if SS_PARTS > 0:
         # The row scale first, so that its loads overlap the main loop's (in the epilogue
-        # they cost 4-6 µs a call at 512 rows, wide-variants-20261130-032210).
+        # they cost 4-6 µs a call at 512 rows; bench/NOTES.md, session 7).
         rp = tl.arange(0, SS_BLOCK)
         ss = tl.sum(tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
                             mask=(rp[:, None] < SS_PARTS) & row_ok[None, :], other=0.0),
@@ -134,7 +132,7 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
         # w_desc views W as [2, N, K] (its gate and up halves): one TMA load brings BLOCK_N
         # gate rows and the matching up rows, which stay in shared memory as one
         # [2 * BLOCK_N, BLOCK_K] operand of one MMA (two MMAs of BLOCK_N columns measured
-        # 170-180 µs against 136 for the 8B gate/up at 512 rows, wide-variants-20261130-031554).
+        # 170-180 µs against 136 for the 8B gate/up at 512 rows; bench/NOTES.md, session 7).
         w = w_desc.load([0, pid_n * BLOCK_N, kt * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
         acc = tl.dot(a, w.T, acc)
     if SS_PARTS > 0:
@@ -197,7 +195,7 @@ def residual_pays(n: int, k: int) -> bool:
     weight in the decoder: for o_proj (K = N; its consumer, gate/up, finishes the norm in its
     epilogue) 27.7 µs against 24.4 + 5.9; not for down (K = 3N; its consumer, q/k/v, stays
     with cuBLAS and needs a plain RMSNorm of the stream): 72.3 + 4.0 against 68.1 + 5.9 (8B
-    shapes at 512 rows, wide-variants-20261130-031554 and the profile of that step)."""
+    shapes at 512 rows, bench/NOTES.md, session 7)."""
     return k <= n
 
 
