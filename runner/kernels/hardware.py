@@ -1,5 +1,6 @@
 """What the kernels take from the device they run on: its SM count and compute capability,
-each read once per device, and the lookup of per-device tuning tables.
+each read once per device (a CUDA device named without an index: the current device when first
+asked), and the lookup of per-device tuning tables.
 
 A tuning table (the skinny GEMM's tiles, say) is keyed by compute capability. Every table
 was measured on one device, the reference below: a device whose capability has no entry of its
@@ -46,12 +47,15 @@ def _properties(device: torch.device):
     return torch.cuda.get_device_properties(device)
 
 
+# Cached per argument as well: the GEMMs ask on every launch (eager steps pay for Python).
+@functools.cache
 def num_sms(device: torch.device | str | None) -> int:
     """Streaming multiprocessors of a CUDA device (the reference's for anything else)."""
     cuda = _cuda(device)
     return REFERENCE.num_sms if cuda is None else _properties(cuda).multi_processor_count
 
 
+@functools.cache
 def capability(device: torch.device | str | None) -> tuple[int, int]:
     """Compute capability of a CUDA device (the reference's for anything else)."""
     cuda = _cuda(device)

@@ -1,6 +1,6 @@
 """GPU tests (marker ``gpu``; skipped without CUDA or Triton) of the fused Triton kernels of
-``dllm.runner.kernels.fused_qkv``: per-head RMSNorm + RoPE of q and k against the reference ops (the
-float32 reference on upcast inputs, and the bf16 reference path), the KV-cache writes against
+``dllm.runner.kernels.fused_qkv``: per-head RMSNorm + RoPE of q and k against the reference ops
+(the float32 reference on upcast inputs, and the bf16 reference path), the KV-cache writes against
 ``index_put``, and the one-launch norm + RoPE + KV write against both. Outputs and caches are
 poisoned with NaN first, so an element a kernel fails to write shows up.
 
