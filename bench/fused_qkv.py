@@ -66,8 +66,8 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_tokens(t: int, ops, rope, table, iters: int, reps: int) -> dict:
-    from dllm.memory import TokenToKVPool
     from dllm.runner.kernels.fused_qkv import qk_norm_rope, qk_norm_rope_store, store_kv
+    from dllm.runner.memory import TokenToKVPool
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

@@ -18,8 +18,10 @@ from dllm.runner.forward_batch import (
     ForwardMode,
     LogitsMode,
     ScheduledBatch,
+    StepKind,
 )
-from dllm.scheduler import Carry, HostCopy, Scheduler, Work
+from dllm.runner.host_copy import Carry
+from dllm.scheduler import Scheduler
 
 
 def sampling_tensors(fb: ForwardBatch, n: int) -> SamplingTensors:
@@ -55,28 +57,23 @@ class AutoregressiveScheduler(Scheduler):
     that forward's sampled token on the device (``ScheduledBatch.carry``), at the position
     after it; a request sure to reach ``max_new_tokens`` with that token is not decoded."""
 
-    def schedule(self) -> list[Work]:
-        works = []
+    def schedule(self) -> list[ScheduledBatch]:
         prefill = self.build_prefill()
-        if prefill is not None:
-            works.append(Work(prefill, self.apply_tokens, SampleNext.for_batch,
-                              on_launch=self.launched, prefetch=HostCopy))
         busy = set(prefill.rids) if prefill else set()
         ready = [r for r in self.running.values() if not r.needs_prefill and r.rid not in busy
                  and (r.output_ids or r.inflight)
                  and len(r.output_ids) + r.inflight < r.params.max_new_tokens]
-        decode = self.build_decode(ready)
-        if decode is not None:
-            works.append(Work(decode, self.apply_tokens, SampleNext.for_batch,
-                              on_launch=self.launched, prefetch=HostCopy))
-        return works
+        return [b for b in (prefill, self.build_decode(ready)) if b is not None]
+
+    def update(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        return self.apply_tokens(batch, output)
 
     def build_prefill(self) -> ScheduledBatch | None:
         rows = self.chunk_prefill(lambda r: r.prompt_len, 1)
         if not rows:
             return None
-        batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.CAUSAL,
-                               logits_mode=LogitsMode.LAST)
+        batch = ScheduledBatch(ForwardMode.EXTEND, kind=StepKind.SAMPLE,
+                               attention_mask=AttentionMask.CAUSAL, logits_mode=LogitsMode.LAST)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
             batch.row_reqs.append(req)
@@ -86,8 +83,8 @@ class AutoregressiveScheduler(Scheduler):
     def build_decode(self, reqs: list[Req]) -> ScheduledBatch | None:
         if not reqs:
             return None
-        batch = ScheduledBatch(ForwardMode.DECODE, attention_mask=AttentionMask.CAUSAL,
-                               logits_mode=LogitsMode.LAST)
+        batch = ScheduledBatch(ForwardMode.DECODE, kind=StepKind.SAMPLE,
+                               attention_mask=AttentionMask.CAUSAL, logits_mode=LogitsMode.LAST)
         carry = Carry()
         for req in reqs:
             # The last output token is fed at its own position; its KV is written now. A

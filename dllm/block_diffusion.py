@@ -33,31 +33,37 @@ from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
 from dllm.request import BlockState, Req
 from dllm.runner.forward_batch import (
     AttentionMask,
-    ForwardBatch,
     ForwardMode,
     LogitsMode,
     ScheduledBatch,
+    StepKind,
 )
-from dllm.scheduler import Carry, HostCopy, Scheduler, Work
+from dllm.runner.host_copy import Carry
+from dllm.scheduler import Scheduler
 
 
 class BlockDiffusionScheduler(Scheduler):
-    logits_shift = 0
+    """``logits_shift``: 1 for Fast-dLLM v2 (module docstring)."""
 
-    def schedule(self) -> list[Work]:
-        works = []
+    def __init__(self, *args: Any, logits_shift: int = 0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.logits_shift = logits_shift
+
+    def schedule(self) -> list[ScheduledBatch]:
         prefill = self.build_prefill()
-        if prefill is not None:
-            first_token = prefill.logits_mode is LogitsMode.LAST
-            works.append(Work(prefill, self.apply_prefill,
-                              (lambda b: _greedy_last) if first_token else None,
-                              on_launch=self.launched_prefill,
-                              prefetch=HostCopy if first_token else _unread))
         denoise = self.build_denoise([r for r in self.running.values() if not r.needs_prefill])
-        if denoise is not None:
-            works.append(Work(denoise, self.apply_denoise, self.make_post,
-                              on_launch=self.launched_denoise, prefetch=_prefetch_denoise))
-        return works
+        return [b for b in (prefill, denoise) if b is not None]
+
+    def update(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        if batch.kind is StepKind.DENOISE:
+            return self.apply_denoise(batch, output)
+        return self.apply_prefill(batch, output)
+
+    def launched(self, batch: ScheduledBatch, output: Any) -> None:
+        if batch.kind is StepKind.DENOISE:
+            self.launched_denoise(batch, output)
+        else:
+            self.launched_prefill(batch, output)
 
     # ---- prefill -----------------------------------------------------------------------
     def build_prefill(self) -> ScheduledBatch | None:
@@ -68,6 +74,7 @@ class BlockDiffusionScheduler(Scheduler):
         # Shifted logits: a prompt that ends on a block boundary reads its first token here.
         first_token = self.logits_shift and any(end == r.prompt_len for r, _, end in rows)
         batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
+                               kind=StepKind.FIRST_TOKEN if first_token else StepKind.PREFILL,
                                block_size=self.config.block_size,
                                logits_mode=LogitsMode.LAST if first_token else LogitsMode.NONE)
         for req, start, end in rows:
@@ -127,7 +134,8 @@ class BlockDiffusionScheduler(Scheduler):
         if not rows:
             return None
         batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
-                               block_size=self.config.block_size, logits_mode=LogitsMode.ALL)
+                               kind=StepKind.DENOISE, block_size=self.config.block_size,
+                               logits_mode=LogitsMode.ALL)
         editable: list[bool] = []
         carry = Carry()
         for req, blk in rows:
@@ -149,10 +157,6 @@ class BlockDiffusionScheduler(Scheduler):
         carry.attach(batch)
         batch.row_tensors.update(state_rows(reqs, self.req_pool.req_to_token.device))
         return batch
-
-    def make_post(self, batch: ScheduledBatch) -> DenoisePost:
-        return DenoisePost.for_reqs(batch.row_reqs, batch.row_state, self.config.mask_token_id,
-                                    self.logits_shift)
 
     def launched_denoise(self, batch: ScheduledBatch,
                          output: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -208,17 +212,3 @@ class BlockDiffusionScheduler(Scheduler):
             blk.commit_launched = req.inflight > 0
 
 
-def _unread(output: Any) -> None:
-    """A prefill without logits: nothing of its output is read."""
-    return None
-
-
-def _prefetch_denoise(output: tuple[torch.Tensor, dict[str, torch.Tensor]]
-                      ) -> tuple[HostCopy, dict[str, torch.Tensor]]:
-    packed, states = output
-    return HostCopy(packed), states
-
-
-def _greedy_last(fb: ForwardBatch, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """``[bs]`` argmax of each row's last-token logits (``LogitsMode.LAST``)."""
-    return logits.argmax(dim=-1)

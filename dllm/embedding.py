@@ -15,8 +15,9 @@ from dllm.runner.forward_batch import (
     ForwardMode,
     LogitsMode,
     ScheduledBatch,
+    StepKind,
 )
-from dllm.scheduler import Scheduler, Work
+from dllm.scheduler import Scheduler
 
 
 def pool_parts(fb: ForwardBatch, hidden: torch.Tensor, logits: Any) -> tuple[torch.Tensor, ...]:
@@ -37,17 +38,17 @@ class EmbeddingScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.pooling = pooling
 
-    def schedule(self) -> list[Work]:
+    def schedule(self) -> list[ScheduledBatch]:
         rows = self.chunk_prefill(lambda r: r.prompt_len, 1)
         if not rows:
             return []
-        batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.CAUSAL,
-                               logits_mode=LogitsMode.NONE)
+        batch = ScheduledBatch(ForwardMode.EXTEND, kind=StepKind.POOL,
+                               attention_mask=AttentionMask.CAUSAL, logits_mode=LogitsMode.NONE)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
-        return [Work(batch, self.apply, lambda b: pool_parts)]
+        return [batch]
 
-    def apply(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+    def update(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         sums, first, last = output
 
         def apply_row(i: int, req: Req) -> bool:

@@ -69,10 +69,11 @@ from dllm.runner.forward_batch import (
     ForwardMode,
     LogitsMode,
     ScheduledBatch,
+    StepKind,
 )
 from dllm.runner.input_registry import InputRegistry
 from dllm.sampling_params import check_engine_keys
-from dllm.scheduler import Scheduler, Work
+from dllm.scheduler import Scheduler
 
 # Block size when neither the request, the engine nor config.json sets one (None: the canvas).
 DEFAULT_BLOCK_SIZE: dict[str, int | None] = {
@@ -129,10 +130,8 @@ def resolve_request(config: Mapping[str, Any], algorithm: UnmaskingAlgorithm,
 
 
 class FullDiffusionScheduler(Scheduler):
-    def __init__(self, *args: Any, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 logits_shift: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, logits_shift: int = 0, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.compute_logits = compute_logits
         self.logits_shift = logits_shift
         self._tick = 0
         self._last_run: dict[str, int] = {}
@@ -187,13 +186,13 @@ class FullDiffusionScheduler(Scheduler):
         assert len(slots) + self.req_pool.num_free == self.req_pool.max_reqs, "request slots leaked"
 
     # ---- one step ----------------------------------------------------------------------
-    def schedule(self) -> list[Work]:
+    def schedule(self) -> list[ScheduledBatch]:
         self.admit()
         reqs = self._pick()
-        if not reqs:
-            return []
-        return [Work(self.build_step(reqs), self.apply_step, self.make_post,
-                     split=self.split)]
+        return [self.build_step(reqs)] if reqs else []
+
+    def update(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        return self.apply_step(batch, output)
 
     def split(self, batch: ScheduledBatch) -> list[ScheduledBatch]:
         """One batch per request, a CFG request with its unconditional twin."""
@@ -240,8 +239,8 @@ class FullDiffusionScheduler(Scheduler):
 
     def build_step(self, reqs: list[Req]) -> ScheduledBatch:
         """Conditional rows first (row i is ``reqs[i]``), then the CFG twins."""
-        batch = ScheduledBatch(ForwardMode.EXTEND, attention_mask=AttentionMask.FULL,
-                               logits_mode=LogitsMode.NONE)
+        batch = ScheduledBatch(ForwardMode.EXTEND, kind=StepKind.FULL_STEP,
+                               attention_mask=AttentionMask.FULL, logits_mode=LogitsMode.NONE)
         twins = [r for r in reqs if r.cfg_scale > 0]
         rows = [(r, False) for r in reqs] + [(r, True) for r in twins]
         twin_row = {r.rid: len(reqs) + k for k, r in enumerate(twins)}
@@ -260,7 +259,7 @@ class FullDiffusionScheduler(Scheduler):
             }
             for name, value in fields.items():
                 batch.row_inputs.setdefault(name, []).append(value)
-        row_reqs = [r for r, _ in rows]
+        row_reqs = batch.row_reqs = [r for r, _ in rows]
         batch.row_inputs.update(
             step=[r.block.step for r in row_reqs],
             num_initial_masks=[r.block.num_initial_masks for r in row_reqs],
@@ -269,23 +268,6 @@ class FullDiffusionScheduler(Scheduler):
         )
         batch.row_tensors.update(state_rows(row_reqs, self.req_pool.req_to_token.device))
         return batch
-
-    def make_post(self, batch: ScheduledBatch) -> FullDiffusionPost:
-        """The requests this batch steps: its leading conditional rows (twins follow)."""
-        inp = batch.row_inputs
-        active: list[Req] = []
-        for i, rid in enumerate(batch.rids):
-            partner = i + inp["fd.partner"][i]
-            req = self.running.get(rid)
-            if req is None or inp["fd.uncond"][i]:
-                break
-            if partner >= batch.batch_size or batch.rids[partner] != rid:
-                # ``split`` keeps a request's rows together; a lone CFG row is a bug.
-                raise RuntimeError(f"request {rid}: a classifier-free-guidance row without "
-                                   "its unconditional twin")
-            active.append(req)
-        return FullDiffusionPost(active, self.config.mask_token_id, self.logits_shift,
-                                 self.compute_logits)
 
     def apply_step(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         if output is None:
@@ -319,6 +301,23 @@ class FullDiffusionPost:
     """Device post-step: the current block's logits of each active request (row i of the
     forward), CFG-combined with its twin's, then ``DenoisePost`` over ``[n, B]`` blocks
     (``B`` the longest block; shorter blocks are padded with non-editable positions)."""
+
+    @classmethod
+    def for_batch(cls, batch: ScheduledBatch, mask_token_id: int, logits_shift: int,
+                  compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> FullDiffusionPost:
+        """The requests a batch steps: its leading conditional rows (the CFG twins follow)."""
+        inp = batch.row_inputs
+        active: list[Req] = []
+        for i, req in enumerate(batch.row_reqs):
+            if inp["fd.uncond"][i]:
+                break
+            partner = i + inp["fd.partner"][i]
+            if partner >= batch.batch_size or batch.rids[partner] != req.rid:
+                # ``split`` keeps a request's rows together; a lone CFG row is a bug.
+                raise RuntimeError(f"request {req.rid}: a classifier-free-guidance row "
+                                   "without its unconditional twin")
+            active.append(req)
+        return cls(active, mask_token_id, logits_shift, compute_logits)
 
     def __init__(self, reqs: list[Req], mask_token_id: int, logits_shift: int,
                  compute_logits: Callable[[torch.Tensor], torch.Tensor]):

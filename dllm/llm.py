@@ -25,13 +25,20 @@ def is_single_prompt(prompts: Any) -> bool:
 class LLM:
     """Offline generation. ``engine_args`` are the fields of ``EngineConfig`` (algorithm,
     algorithm_config, block_size, max_running_requests, page_size, dtype, device,
-    attention_backend, ...). ``model=None`` loads the built-in model."""
+    attention_backend, ...), or ``model`` is an ``EngineConfig`` itself. ``model=None`` loads
+    the built-in model."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any):
-        unknown = sorted(set(engine_args) - EngineConfig.field_names())
-        if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | EngineConfig | None = None, **engine_args: Any):
+        if isinstance(model, EngineConfig):
+            if engine_args:
+                raise TypeError("pass either an EngineConfig or engine arguments, not both")
+            config = model
+        else:
+            unknown = sorted(set(engine_args) - EngineConfig.field_names())
+            if unknown:
+                raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+            config = EngineConfig(model=model, **engine_args)
+        self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -4,6 +4,10 @@ block when streaming."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dllm.request import Req
 
 
 @dataclass
@@ -18,6 +22,16 @@ class RequestOutput:
     num_blocks: int = 0
     error: str | None = None
     prompt_token_ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, req: Req, text: str) -> RequestOutput:
+        """A request's output so far (``text``: its detokenised output)."""
+        return cls(
+            rid=req.rid, text=text, token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            prompt_tokens=req.prompt_len, num_forward_passes=req.num_forward_passes,
+            num_denoise_forwards=req.num_denoise_forwards, num_blocks=req.num_blocks_committed,
+            error=req.error, prompt_token_ids=list(req.prompt_ids))
 
     @property
     def completion_tokens(self) -> int:
@@ -45,3 +59,10 @@ class EmbeddingOutput:
     rid: str
     embedding: list[float]
     prompt_tokens: int
+
+    @classmethod
+    def of(cls, req: Req) -> EmbeddingOutput:
+        if req.embedding is None:
+            raise RuntimeError(f"request {req.rid} ended without an embedding: "
+                               f"{req.error or req.finish_reason}")
+        return cls(req.rid, req.embedding, req.prompt_len)

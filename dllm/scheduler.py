@@ -1,6 +1,7 @@
 """The scheduler's shared half: the waiting queue, admission bounded by memory, finishing and
 memory accounting. Each generation kind (block diffusion, autoregressive, ...) subclasses it
-and says which forwards one engine step runs (``schedule``)."""
+and says which forwards one engine step runs (``schedule``) and how their results apply
+(``update``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.request import FinishReason, Req, ReqStatus
 from dllm.runner.forward_batch import ScheduledBatch
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 from dllm.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -29,79 +28,6 @@ class SchedulerConfig:
     mask_token_id: int | None = None
 
 
-@dataclass
-class Work:
-    """One forward the scheduler wants run, and how to consume its output. The callables
-    take the batch actually run, so the engine may split ``batch`` into one batch per request
-    (``split``, or ``ScheduledBatch.row`` per row) and run them one by one when the whole
-    batch fails."""
-
-    batch: ScheduledBatch
-    apply: Callable[[ScheduledBatch, Any], list[Req]]  # the one host read happens here
-    make_post: Callable[[ScheduledBatch], Any] | None = None  # the device post-step
-    # One batch per request, for the retry after a failure (default: one per row).
-    split: Callable[[ScheduledBatch], list[ScheduledBatch]] | None = None
-    # Overlapped scheduling (``Engine.step``): ``on_launch(batch, output)`` records, right after
-    # the forward is queued, what the next step may build on before the result is read (the
-    # device output of each row); ``prefetch(output)`` starts the copy of the part ``apply``
-    # reads to pinned host memory. A work with ``prefetch`` may be applied one step late.
-    on_launch: Callable[[ScheduledBatch, Any], None] | None = None
-    prefetch: Callable[[Any], Any] | None = None
-
-
-class HostCopy:
-    """A small device tensor's copy to pinned host memory, started now (queued behind the
-    work that produces it) and read later: ``tolist`` waits for this copy only, not for work
-    queued after it. On the CPU it is the tensor itself."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self._event = None
-        if tensor.device.type == "cuda":
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            tensor = host
-        self._tensor = tensor
-
-    def tolist(self) -> list:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._tensor.tolist()
-
-
-class Carry:
-    """Builds a batch's ``ScheduledBatch.carry``: ``add(source)`` for each row in order, with
-    ``(tensor, row)`` for a row whose input tokens are that row of an in-flight output (one
-    source tensor per forward launched the step before), None for the host's input ids;
-    ``attach(batch)`` sets the concatenated sources and the ``carry_row`` input."""
-
-    def __init__(self) -> None:
-        self._offsets: dict[int, int] = {}
-        self._sources: list[torch.Tensor] = []
-        self._size = 0
-        self._rows: list[int] = []
-
-    def add(self, source: tuple[torch.Tensor, int] | None) -> None:
-        if source is None:
-            self._rows.append(-1)
-            return
-        tensor, row = source
-        key = id(tensor)
-        if key not in self._offsets:
-            self._offsets[key] = self._size
-            self._sources.append(tensor)
-            self._size += tensor.shape[0]
-        self._rows.append(self._offsets[key] + row)
-
-    def attach(self, batch: ScheduledBatch) -> None:
-        if not self._sources:
-            return
-        rows = [t if t.dim() == 2 else t[:, None] for t in self._sources]
-        batch.carry = rows[0] if len(rows) == 1 else torch.cat(rows)
-        batch.row_inputs["carry_row"] = self._rows
-
-
 class Scheduler(ABC):
     def __init__(self, config: SchedulerConfig, req_pool: ReqToTokenPool,
                  kv_pool: TokenToKVPool, stop_checker: StopChecker):
@@ -113,8 +39,24 @@ class Scheduler(ABC):
         self.running: dict[str, Req] = {}  # admission order
 
     @abstractmethod
-    def schedule(self) -> list[Work]:
+    def schedule(self) -> list[ScheduledBatch]:
         """The forwards of one engine step, in order."""
+
+    @abstractmethod
+    def update(self, batch: ScheduledBatch, output: Any) -> list[Req]:
+        """Apply the result of ``batch`` (the one host read of its step happens here);
+        returns the requests whose output grew or that finished. ``batch`` may be a part of
+        a scheduled batch (``split``)."""
+
+    def launched(self, batch: ScheduledBatch, output: Any) -> None:
+        """The overlap schedule's hook, called right after ``batch``'s forward is queued and
+        before its result is read: record what the next step may build on (each row's device
+        output). The default builds on nothing."""
+        return None
+
+    def split(self, batch: ScheduledBatch) -> list[ScheduledBatch]:
+        """``batch`` as one batch per request, for the retry after a failure (one per row)."""
+        return [batch.row(i) for i in range(batch.batch_size)]
 
     # ---- queue -------------------------------------------------------------------------
     def check_fits(self, req: Req) -> None:

@@ -36,7 +36,11 @@ class ArchitectureSpec:
     tries. ``turn_end_tokens`` end a generation besides the checkpoint's EOS ids: the token
     that closes an assistant turn in the family's chat template, which the released
     ``generation_config.json`` does not always list (LLaDA's ``<|eot_id|>``, LLaDA2's
-    ``<|role_end|>``)."""
+    ``<|role_end|>``). ``default_algorithm`` and ``algorithm_config`` (key, value pairs) are
+    the family's reference decoder, used when neither the engine nor
+    ``generation_config.json`` names one. ``canvas_block_size``: a full-attention family's
+    block when neither the request, the engine nor ``config.json`` sets one (None: the whole
+    canvas)."""
 
     name: str
     model_cls: type[nn.Module]
@@ -49,36 +53,51 @@ class ArchitectureSpec:
     mask_token_strings: tuple[str, ...] = ()
     block_size_keys: tuple[str, ...] = ("block_size",)
     turn_end_tokens: tuple[str, ...] = ()
+    default_algorithm: str | None = None
+    algorithm_config: tuple[tuple[str, object], ...] = ()
+    canvas_block_size: int | None = None
 
     @property
     def is_diffusion(self) -> bool:
         return self.kind != "causal_lm"
 
 
+# LLaDA's generate: fixed quota, float64 Gumbel noise (``gumbel_fp64``), every scheduled step
+# of a block run, zero-token steps included (``all_steps``), blocks of 32 (its demo and
+# evaluation setting).
+_LLADA_DECODER: dict = {
+    "default_algorithm": "low_confidence_static",
+    "algorithm_config": (("gumbel_fp64", True), ("all_steps", True)),
+    "canvas_block_size": 32,
+}
+
 _SPECS = (
     ArchitectureSpec("SDARForCausalLM", SDARForCausalLM, "block_diffusion", "block_causal",
                      default_mask_id=151669, default_block_size=4,
-                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",)),
+                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",),
+                     default_algorithm="low_confidence_dynamic"),
     ArchitectureSpec("SDARMoeForCausalLM", SDARMoeForCausalLM, "block_diffusion", "block_causal",
                      default_mask_id=151669, default_block_size=4,
-                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",)),
+                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",),
+                     default_algorithm="low_confidence_dynamic"),
     ArchitectureSpec("LLaDA2MoeModelLM", LLaDA2MoeModelLM, "block_diffusion", "block_causal",
                      default_mask_id=156895, default_block_size=32,
-                     mask_token_strings=("<|mask|>",), turn_end_tokens=("<|role_end|>",)),
+                     mask_token_strings=("<|mask|>",), turn_end_tokens=("<|role_end|>",),
+                     default_algorithm="low_confidence_dynamic"),
     ArchitectureSpec("Fast_dLLM_QwenForCausalLM", Fast_dLLM_QwenForCausalLM, "block_diffusion",
                      "block_causal", default_mask_id=151665, default_block_size=32,
                      logits_shift=1, default_sub_block_size=8,
                      mask_token_strings=("|<MASK>|",), block_size_keys=("bd_size", "block_size"),
-                     turn_end_tokens=("<|im_end|>",)),
+                     turn_end_tokens=("<|im_end|>",), default_algorithm="hierarchical"),
     ArchitectureSpec("LLaDAModelLM", LLaDAModelLM, "full_diffusion", "full",
                      default_mask_id=126336, mask_token_strings=("<|mdm_mask|>",),
-                     turn_end_tokens=("<|eot_id|>",)),
+                     turn_end_tokens=("<|eot_id|>",), **_LLADA_DECODER),
     ArchitectureSpec("LLaDAMoEModelLM", LLaDAMoEModelLM, "full_diffusion", "full",
                      default_mask_id=156895, mask_token_strings=("<|mask|>",),
-                     turn_end_tokens=("<|role_end|>",)),
+                     turn_end_tokens=("<|role_end|>",), **_LLADA_DECODER),
     ArchitectureSpec("DreamModel", DreamModel, "full_diffusion", "full",
                      default_mask_id=151666, logits_shift=1, mask_token_strings=("<|mask|>",),
-                     turn_end_tokens=("<|im_end|>",)),
+                     turn_end_tokens=("<|im_end|>",), default_algorithm="entropy"),
     ArchitectureSpec("Qwen3ForCausalLM", Qwen3ForCausalLM, "causal_lm", "causal", logits_shift=1),
     ArchitectureSpec("Qwen2ForCausalLM", Qwen2ForCausalLM, "causal_lm", "causal", logits_shift=1),
     ArchitectureSpec("LlamaForCausalLM", LlamaForCausalLM, "causal_lm", "causal", logits_shift=1),

@@ -51,12 +51,13 @@ class _Graph:
 class CudaGraphRunner(Runner):
     """``post_for(mode, bs, group, flags)`` gives the post-step to capture: the unmasking
     algorithm ``group`` over ``bs`` rows for ``DLLM_EXTEND``, the sampler for ``DECODE``;
-    ``flags`` = (some row samples, some sampled row filters), so a greedy batch replays a
-    graph without the sampling work."""
+    ``flags`` = (some row samples, some sampled row filters, some row filters), so a greedy
+    batch replays a graph without the sampling work."""
 
     def __init__(self, owner: ModelRunner, block_size: int, sizes: list[int], max_context: int,
                  page_size: int,
-                 post_for: Callable[[ForwardMode, int, str, tuple[bool, bool]], PostStep],
+                 post_for: Callable[[ForwardMode, int, str, tuple[bool, bool, bool]],
+                                    PostStep],
                  modes: tuple[ForwardMode, ...] = (ForwardMode.DLLM_EXTEND,),
                  capture: bool = True):
         """``capture=False`` (``disable_cuda_graph``): the same padded batches, planned the
@@ -136,7 +137,7 @@ class CudaGraphRunner(Runner):
             try:
                 for mode in self.modes:
                     for group in (groups if mode is ForwardMode.DLLM_EXTEND else [""]):
-                        for flags in ((False, False), (True, True)):
+                        for flags in ((False, False, False), (True, True, True)):
                             self._graph(mode, bs, group, flags)
                 continue
             except torch.OutOfMemoryError:
@@ -157,14 +158,14 @@ class CudaGraphRunner(Runner):
                            sorted(dropped), self.sizes)
 
     def _graph(self, mode: ForwardMode, bs: int, group: str,
-               flags: tuple[bool, bool]) -> _Graph:
+               flags: tuple[bool, bool, bool]) -> _Graph:
         key = (mode, bs, group, flags)
         if key not in self.graphs:
             self.graphs[key] = self._capture(mode, bs, group, flags)
         return self.graphs[key]
 
     def _capture(self, mode: ForwardMode, bs: int, group: str,
-                 flags: tuple[bool, bool]) -> _Graph:
+                 flags: tuple[bool, bool, bool]) -> _Graph:
         backend = self.backends[bs]
         dummy = self._pad(self._empty(mode), bs)
         fb = self.registry.load(dummy, self.owner.req_to_token)
@@ -224,11 +225,11 @@ class CudaGraphRunner(Runner):
         return out
 
 
-def _flags(batch: ScheduledBatch) -> tuple[bool, bool]:
+def _flags(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
     """Greedy batches replay the graph without sampling work; any sampling row takes the
-    general graph (exact for every row)."""
+    general graph (exact for every row). The flags are ``sampling_flags``'."""
     greedy = all(t == 0 for t in batch.row_inputs["temperature"])
-    return (False, False) if greedy else (True, True)
+    return (False, False, False) if greedy else (True, True, True)
 
 
 _CORE = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens",

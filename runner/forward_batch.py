@@ -105,6 +105,19 @@ class ForwardBatch:
         return torch.cumsum(self.extend_lens, dim=0) - 1
 
 
+class StepKind(str, enum.Enum):
+    """What a batch's forward is for. The runner picks the device post-step from it (and,
+    under the overlap schedule, the part of the output the host reads); the scheduler applies
+    the result by it."""
+
+    PREFILL = "prefill"  # prompt KV only, no logits read
+    FIRST_TOKEN = "first_token"  # a prefill whose last-token logits give a greedy first token
+    DENOISE = "denoise"  # block diffusion: the unmasking algorithm over each row's block
+    SAMPLE = "sample"  # autoregressive prefill or decode: the next token of each row
+    FULL_STEP = "full_step"  # full-attention diffusion: block logits, then the algorithm
+    POOL = "pool"  # embeddings: pooled hidden states
+
+
 @dataclass
 class ScheduledBatch:
     """The scheduler's CPU batch: host lists only, built without touching the device.
@@ -115,6 +128,7 @@ class ScheduledBatch:
     The runner copies all of them into its static input registry."""
 
     mode: ForwardMode
+    kind: StepKind = StepKind.PREFILL
     rids: list[str] = field(default_factory=list)
     req_pool_indices: list[int] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
@@ -171,7 +185,8 @@ class ScheduledBatch:
         start = sum(self.extend_lens[:i])
         end = start + self.extend_lens[i]
         one = ScheduledBatch(
-            mode=self.mode, attention_mask=self.attention_mask, block_size=self.block_size,
+            mode=self.mode, kind=self.kind, attention_mask=self.attention_mask,
+            block_size=self.block_size,
             block_offset=self.block_offset, logits_mode=self.logits_mode,
             row_inputs={k: v[i : i + 1] for k, v in self.row_inputs.items()},
             token_inputs={k: v[start:end] for k, v in self.token_inputs.items()},

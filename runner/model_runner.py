@@ -1,19 +1,37 @@
-"""One forward pass (DESIGN §7): load a ``ScheduledBatch`` into the static registry, run the
-model, pick the logits, and run the post-step (the unmasking algorithm) on the device.
+"""One rank's forward (DESIGN §7): the ``ModelRunner`` loads the model, fuses its weights,
+installs the kernels, sizes and owns the KV cache, captures CUDA graphs, and runs one
+``ScheduledBatch`` at a time: load it into the static registry, run the model, pick the
+logits, run the post-step on the device.
 
-The post-step is handed in by the engine (``PostStep``), so the runner never imports the
-engine or the algorithms, and a CUDA graph can capture forward and post-step together."""
+The post-step of each kind of step (``StepKind``) comes from a ``StepSpec`` the engine hands
+in, so the runner never imports the engine or the algorithms, and a CUDA graph can capture
+forward and post-step together."""
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from dllm.runner.attention.base import AttentionBackend, KVCache
-from dllm.runner.forward_batch import ForwardBatch, ForwardMode, LogitsMode, ScheduledBatch
+from dllm.models.decoder import fuse_projections
+from dllm.models.loader import load_model
+from dllm.models.ops import install_ops
+from dllm.runner.attention import make_backend, resolve_backend_name, triton_available
+from dllm.runner.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LogitsMode,
+    ScheduledBatch,
+    StepKind,
+)
 from dllm.runner.input_registry import InputRegistry
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
+
+logger = logging.getLogger(__name__)
 
 
 class PostStep(Protocol):
@@ -21,6 +39,46 @@ class PostStep(Protocol):
 
     def __call__(self, forward_batch: ForwardBatch, hidden: torch.Tensor,
                  logits: torch.Tensor | None) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """How one kind of step runs. ``post(batch)``: its device post-step (None: the output is
+    the hidden states and logits). ``read(output)``: under the overlap schedule, start the
+    copy of the part the scheduler's ``update`` reads (None: the kind is applied at once,
+    never a step late). ``capture(bs, group, flags)``: the post-step a CUDA graph of ``bs``
+    rows captures for this kind (``group``: the rows' algorithm; ``flags``:
+    ``sampling_flags``)."""
+
+    post: Callable[[ScheduledBatch], PostStep | None]
+    read: Callable[[Any], Any] | None = None
+    capture: Callable[[int, str, tuple[bool, bool, bool]], PostStep] | None = None
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What a runner is built from (the engine derives it from its config and the checkpoint).
+    ``block_size``: the tokens a request reserves at a time; ``graph_kind`` the step kind
+    captured in CUDA graphs (None: none), ``graph_group`` the algorithm it captures."""
+
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    load_format: str
+    seed: int
+    attention_backend: str
+    page_size: int
+    num_kv_pages: int | None
+    kv_cache_memory_gb: float | None
+    max_running_requests: int
+    max_prefill_tokens: int
+    context_length: int
+    block_size: int
+    graph_kind: StepKind | None = None
+    graph_group: str = ""
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
 
 class Runner(ABC):
@@ -37,26 +95,126 @@ class Runner(ABC):
 
 
 class ModelRunner:
-    """Owns the model, the KV cache view, the attention backend and the runners."""
+    """Owns the model, the memory pools, the attention backend and the runners of one rank.
+    ``register_inputs(registry)`` declares the post-steps' per-row inputs."""
 
-    def __init__(self, model: torch.nn.Module, kv_pool: KVCache, req_to_token: torch.Tensor,
-                 backend: AttentionBackend, device: torch.device, max_bs: int,
-                 max_tokens: int):
-        self.model = model
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-        self.backend = backend
-        self.device = device
-        self.registry = InputRegistry(max_bs, max_tokens, device)
+    def __init__(self, config: RunnerConfig, steps: dict[StepKind, StepSpec],
+                 register_inputs: Callable[[InputRegistry], None]):
+        self.config = config
+        self.steps = steps
+        self.device = config.device
+        torch.manual_seed(config.seed)
+        self.model, _, _ = load_model(config.model_path, dtype=config.dtype, device=self.device,
+                                      load_format=config.load_format, seed=config.seed)
+        self.model.eval()
+        fuse_projections(self.model)  # q/k/v and gate/up as one GEMM each
+        self._init_memory()
+        self.req_to_token = self.req_pool.req_to_token
+        self._install_ops()
+        self.backend = make_backend(config.attention_backend, self.device, config.page_size)
+        self.registry = InputRegistry(
+            config.max_running_requests,
+            max(config.max_prefill_tokens, config.max_running_requests * config.block_size),
+            self.device)
+        register_inputs(self.registry)
         self.eager = EagerRunner(self)
         self.runners: list[Runner] = [self.eager]
+        self._init_cuda_graphs()
+
+    # ---- setup -------------------------------------------------------------------------
+    def _init_memory(self) -> None:
+        cfg = self.config
+        spec = self.model.kv_cache_spec()
+        page = cfg.page_size
+        # A request's reservation is rounded up to a whole block.
+        max_context = -(-cfg.context_length // cfg.block_size) * cfg.block_size
+        itemsize = cfg.dtype.itemsize
+        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+        want = cfg.max_running_requests * -(-max_context // page) + 1
+        if cfg.num_kv_pages is not None:
+            pages = cfg.num_kv_pages + 1
+        else:
+            budget_gb = cfg.kv_cache_memory_gb
+            if budget_gb is None:
+                budget_gb = self._default_kv_budget_gb()
+            pages = min(want, int(budget_gb * 2**30 // (per_token * page)) + 1)
+        self.req_pool = ReqToTokenPool(cfg.max_running_requests, max_context, self.device)
+        self.kv_pool = TokenToKVPool(pages, page, spec.num_layers, spec.num_kv_heads,
+                                     spec.head_dim, cfg.dtype, self.device)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", pages - 1, page,
+                    self.kv_pool.memory_bytes() / 2**20)
+
+    def _default_kv_budget_gb(self) -> float:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return 0.8 * free / 2**30
+        return 2.0
+
+    def _flashinfer(self) -> bool:
+        return (self.device.type == "cuda"
+                and resolve_backend_name(self.config.attention_backend, self.device)
+                == "flashinfer")
+
+    def _install_ops(self) -> None:
+        """FlashInfer's fused norm/activation/RoPE kernels where its attention runs (CUDA),
+        with the Triton kernels of ``TritonOps`` where Triton is installed; the plain-PyTorch
+        reference ops elsewhere."""
+        if self._flashinfer():
+            from dllm.runner.layer_ops import FlashInferOps, TritonOps
+
+            ops = TritonOps if triton_available() else FlashInferOps
+            install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))
+
+    def _init_cuda_graphs(self) -> None:
+        """Capture the ``graph_kind`` steps (denoise or decode) on CUDA with FlashInfer;
+        everything else, and every shape not captured, runs eagerly. With
+        ``disable_cuda_graph`` those steps still run padded to the capture sizes and planned
+        as a graph would be, without capture (so eager and graph outputs are identical)."""
+        cfg, kind = self.config, self.config.graph_kind
+        if (kind is None or not self._flashinfer()
+                or not getattr(self.model, "supports_cuda_graph", True)):
+            return
+        from dllm.runner.cuda_graph import CudaGraphRunner, capture_sizes
+
+        capture = self.steps[kind].capture
+        mode = ForwardMode.DLLM_EXTEND if kind is StepKind.DENOISE else ForwardMode.DECODE
+        max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests,
+                     cfg.max_running_requests, 256)
+        sizes = ([s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_running_requests]
+                 if cfg.cuda_graph_batch_sizes else capture_sizes(max_bs))
+        if cfg.cuda_graph_batch_sizes and len(sizes) < len(cfg.cuda_graph_batch_sizes):
+            logger.warning("CUDA graphs: batch sizes above max_running_requests=%d are not "
+                           "captured (asked for %s)", cfg.max_running_requests,
+                           list(cfg.cuda_graph_batch_sizes))
+        if not sizes or capture is None:
+            return
+        graphs = CudaGraphRunner(
+            self, cfg.block_size, sizes, self.req_pool.max_context, cfg.page_size,
+            lambda _mode, bs, group, flags: capture(bs, group, flags), modes=(mode,),
+            capture=not cfg.disable_cuda_graph)
+        graphs.capture_all([cfg.graph_group])
+        self.add_runner(graphs)
 
     def add_runner(self, runner: Runner) -> None:
         """Put a faster runner (e.g. CUDA graphs) in front of the eager fallback."""
         self.runners.insert(0, runner)
 
+    # ---- one step ----------------------------------------------------------------------
+    def post_for(self, batch: ScheduledBatch) -> PostStep | None:
+        return self.steps[batch.kind].post(batch)
+
+    def overlappable(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch``'s result may be applied a step late (overlap schedule)."""
+        return self.steps[batch.kind].read is not None
+
+    def read(self, batch: ScheduledBatch, output: Any) -> Any:
+        """Start the host copy of what the scheduler reads of ``output``."""
+        return self.steps[batch.kind].read(output)
+
     @torch.no_grad()
     def forward(self, batch: ScheduledBatch, post: PostStep | None = None) -> Any:
+        """Run ``batch`` and its post-step (``post``, else the one of its kind)."""
+        post = post if post is not None else self.post_for(batch)
         runner = next(r for r in self.runners if r.can_run(batch))
         return runner.execute(runner.load_batch(batch), post)
 

@@ -11,9 +11,9 @@ import torch
 from dllm.algorithms import get_algorithm
 from dllm.algorithms.base import DenoiseInput, SamplingTensors
 from dllm.algorithms.dream import dream_probs, dream_propose
-from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 from dllm.testing.harness import forward_full
 
 

@@ -238,10 +238,9 @@ def test_denoise_step_has_no_host_sync(llm):
         e.add_request(r)
     while any(r.req_pool_idx is None or r.needs_prefill for r in reqs):  # past prefill
         e.step()
-    (work,) = e.scheduler.schedule()
-    batch = work.batch
+    (batch,) = e.scheduler.schedule()
     assert batch.mode is ForwardMode.DLLM_EXTEND and batch.batch_size == len(reqs)
-    post = work.make_post(batch)
+    post = e.runner.post_for(batch)
 
     with forbid_host_sync():
         out = e.runner.forward(batch, post)
@@ -348,3 +347,16 @@ def test_the_stop_string_completed_first_wins(llm):
                                               stop=[long_stop, short_stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == text[: at + 2]
+
+
+def test_llm_accepts_an_engine_config(sdar_dir):
+    from dllm import EngineConfig
+
+    config = EngineConfig(model=sdar_dir, max_running_requests=2)
+    llm = LLM(config)
+    assert llm.engine.config is config
+    out = llm.generate([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert out.token_ids == LLM(sdar_dir, max_running_requests=2).generate(
+        [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+    with pytest.raises(TypeError, match="not both"):
+        LLM(config, page_size=4)

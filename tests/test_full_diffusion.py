@@ -327,10 +327,9 @@ def test_step_has_no_host_sync(engines):
     for r in reqs:
         e.add_request(r)
     e.step()  # past every block's first (full) forward
-    (work,) = e.scheduler.schedule()
-    batch = work.batch
+    (batch,) = e.scheduler.schedule()
     assert batch.mode is ForwardMode.EXTEND and batch.batch_size == 4  # + one CFG twin
-    post = work.make_post(batch)
+    post = e.runner.post_for(batch)
 
     with forbid_host_sync():
         out = e.runner.forward(batch, post)

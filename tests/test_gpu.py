@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dllm import LLM, SamplingParams
-from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.models.attention import AttentionLayer
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 from dllm.testing import make_tiny_checkpoint
 
 pytestmark = [

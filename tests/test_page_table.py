@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.runner.attention.page_table import build_page_table
 from dllm.runner.forward_batch import ForwardBatch, ForwardMode
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 
 
 def test_page_table_matches_each_requests_pages():

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 
 import torch
 
-from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.runner.attention.base import AttentionBackend
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 
 
 def _batch(

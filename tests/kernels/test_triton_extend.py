@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 import torch
 
-from dllm.memory import ReqToTokenPool, TokenToKVPool
 from dllm.models.attention import AttentionLayer
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 
 pytestmark = [
     pytest.mark.gpu,
