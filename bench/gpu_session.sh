@@ -43,7 +43,7 @@ print(f'import flashinfer: {time.time() - t:.1f} s'); from flashinfer.norm impor
 t = time.time(); get_norm_module(); print(f'norm module: {time.time() - t:.1f} s')"
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0 skips the GPU tests (all of them: ~6-7 min cold)
   timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 \
-    -m gpu ${TEST_FILES:-tests/test_gpu*.py tests/test_algorithms.py} 2>&1 | tee "$OUT/gpu-tests.log"
+    -m gpu ${TEST_FILES:-tests/test_gpu*.py tests/kernels/test_*.py tests/test_algorithms.py} 2>&1 | tee "$OUT/gpu-tests.log"
 fi
 # Kernel microbenchmarks (bench/kernels/), one per ';'-separated "script args" entry, e.g.
 # MICRO="skinny_gemm.py --sweep; triton_attention.py"

@@ -4,7 +4,7 @@ projections of the shared decoder layers.
 
 ``LayerOps`` is the plain-PyTorch reference (the CPU path and the numerics tests compare
 against). A runner installs a faster implementation of the same interface on every module of a
-model with ``install_ops`` (``dllm.runner.kernels.FlashInferOps`` on CUDA): the models call
+model with ``install_ops`` (``dllm.runner.layer_ops.FlashInferOps`` on CUDA): the models call
 ``self.ops.<op>`` and never branch on the hardware themselves. A fused implementation computes
 the same function up to the rounding of the activation dtype (it keeps float32 inside a
 kernel where the reference rounds between steps).

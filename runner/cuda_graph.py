@@ -91,7 +91,7 @@ class CudaGraphRunner(Runner):
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[ForwardMode, int, str, tuple[bool, bool]], _Graph] = {}
         self._loaded: _Graph | None = None
-        self.last_replayed: _Graph | None = None  # for profiling (bench/offline.py)
+        self.last_replayed: _Graph | None = None  # for profiling (bench/engine/offline.py)
 
     # ---- Runner interface ------------------------------------------------------------
     def can_run(self, batch: ScheduledBatch) -> bool:

@@ -7,23 +7,13 @@ addresses every time."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dllm.runner.forward_batch import ForwardBatch, ForwardMode, ScheduledBatch
-
-
-@functools.cache
-def _stage_module():
-    """``dllm.runner.stage_kernel``, or None without Triton."""
-    try:
-        from dllm.runner import stage_kernel
-    except ImportError:
-        return None
-    return stage_kernel
+from dllm.runner.kernels import kernel_module
 
 
 @dataclass(frozen=True)
@@ -149,7 +139,7 @@ class InputRegistry:
     def _staged_on_device(self, batch: ScheduledBatch, views: dict[str, torch.Tensor],
                           req_to_token: torch.Tensor, loc: bool) -> bool:
         """The carry gather and (``loc``) the cache slots in one Triton launch
-        (``dllm.runner.stage_kernel``) for the step kinds a CUDA graph replays
+        (``dllm.runner.kernels.stage_kernel``) for the step kinds a CUDA graph replays
         (``DLLM_EXTEND``: whole blocks; ``DECODE``: one token a row), on CUDA with Triton;
         False where the torch path must run instead. Only those kinds: the kernel compiles
         one variant per power-of-two row width, and a prompt chunk's width would compile
@@ -164,7 +154,7 @@ class InputRegistry:
                 or req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1
                 or (carry is not None and carry.dtype != torch.int64)):
             return False
-        stage = _stage_module()
+        stage = kernel_module("stage_kernel")
         if stage is None:
             return False
         stage.stage_rows(bs, width, views["input_ids"], views["positions"],

@@ -160,7 +160,7 @@ class ModelRunner:
         with the Triton kernels of ``TritonOps`` where Triton is installed; the plain-PyTorch
         reference ops elsewhere."""
         if self._flashinfer():
-            from dllm.runner.kernels import FlashInferOps, TritonOps
+            from dllm.runner.layer_ops import FlashInferOps, TritonOps
 
             ops = TritonOps if triton_available() else FlashInferOps
             install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))

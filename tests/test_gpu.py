@@ -164,7 +164,7 @@ def test_cuda_graph_equals_eager_wide_steps(sdar_gpu):
     their tiles; its MLP is narrower than its hidden size, so down takes the residual kernel
     too and q/k/v's norm reads the stream); graph replays equal eager steps token for token. Both run the overlapped
     schedule (the same batches, see above)."""
-    from dllm.runner import wide_gemm
+    from dllm.runner.kernels import wide_gemm
 
     n, block = 128, 4
     assert n * block >= wide_gemm.MIN_M
@@ -223,7 +223,7 @@ def test_flashinfer_layer_ops_match_reference(rotary_factor):
     from dllm.models.config import ModelConfig
     from dllm.models.layers import RopeSpec, RotaryEmbedding
     from dllm.models.ops import TORCH_OPS
-    from dllm.runner.kernels import FlashInferOps
+    from dllm.runner.layer_ops import FlashInferOps
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -275,7 +275,7 @@ def test_triton_ops_match_the_reference_ops():
     from dllm.models.decoder import AttentionSpec, SelfAttention
     from dllm.models.layers import RopeSpec
     from dllm.models.ops import TORCH_OPS
-    from dllm.runner.kernels import TritonOps
+    from dllm.runner.layer_ops import TritonOps
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -320,8 +320,8 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
     pytest.importorskip("triton")
     from dllm.models.layers import RMSNorm, SwiGLUMLP
     from dllm.models.ops import TORCH_OPS, PreNormed, install_ops
-    from dllm.runner import wide_gemm
-    from dllm.runner.kernels import TritonOps
+    from dllm.runner.kernels import wide_gemm
+    from dllm.runner.layer_ops import TritonOps
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -369,7 +369,7 @@ def test_programmatic_dependent_launch_changes_no_bits():
     a chain where each reads the previous one's output, eagerly and in a CUDA graph: the same
     bits as plain launches."""
     pytest.importorskip("triton")
-    from dllm.runner import fused_qkv, skinny_gemm
+    from dllm.runner.kernels import fused_qkv, skinny_gemm
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import tempfile
 import time
@@ -240,6 +239,9 @@ def main() -> int:
     ceilings = measure_ceilings()
     env = {**environment(), **ceilings}
     print(json.dumps(env))
+    from dllm.runner.kernels.settings import KernelSettings
+
+    grouped_moe = KernelSettings.from_env().moe_grouped
     rows = []
     when = stamp()
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,8 +253,7 @@ def main() -> int:
                         args.eager_batch_sizes else args.eager_batch_sizes
                     for bs in map(int, sizes.split(",")):
                         if runner == "cuda_graph" and (backend != "flashinfer" or (
-                                name == "llada2-mini" and os.environ.get("DLLM_MOE_GROUPED")
-                                == "0")):
+                                name == "llada2-mini" and not grouped_moe)):
                             continue  # graphs need FlashInfer, MoE the grouped experts
                         try:
                             row = bench_case(name, path, bs, runner == "cuda_graph", backend,

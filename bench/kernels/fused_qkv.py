@@ -1,7 +1,7 @@
 """The per-layer steps between the q/k/v GEMM and attention, alone: the current path (q head
 RMSNorm, k head RMSNorm, RoPE of q and k, two ``index_put`` into the paged cache: FlashInfer
 kernels through ``FlashInferOps`` when flashinfer imports, else the torch reference ops)
-against the fused Triton kernels of ``dllm.runner.fused_qkv``, at SDAR-8B / Qwen3-8B shapes
+against the fused Triton kernels of ``dllm.runner.kernels.fused_qkv``, at SDAR-8B / Qwen3-8B shapes
 (32/8 heads of 128, qk-norm, rope_theta 1e6, full rotary).
 
     python bench/kernels/fused_qkv.py --tokens 1,4,512
@@ -69,7 +69,7 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_tokens(t: int, ops, rope, table, iters: int, reps: int) -> dict:
-    from dllm.runner.fused_qkv import qk_norm_rope, qk_norm_rope_store, store_kv
+    from dllm.runner.kernels.fused_qkv import qk_norm_rope, qk_norm_rope_store, store_kv
     from dllm.runner.memory import TokenToKVPool
 
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -154,7 +154,7 @@ def main() -> int:
     dev = torch.device("cuda")
     rope = RotaryEmbedding(RopeSpec.from_config(ModelConfig({"rope_theta": THETA}), D)).to(dev)
     try:
-        from dllm.runner.kernels import FlashInferOps
+        from dllm.runner.layer_ops import FlashInferOps
 
         ops = FlashInferOps(torch.nn.ModuleList([rope]), MAX_POS, dev)
         table_ = ops.cos_sin[rope.spec]

@@ -1,5 +1,5 @@
 """The batch-1 GEMM chain of a whole 8B step, as the model runs it, under launch variants of the
-skinny GEMM (``dllm.runner.skinny_gemm``): every layer's q/k/v (1/rms from the partials),
+skinny GEMM (``dllm.runner.kernels.skinny_gemm``): every layer's q/k/v (1/rms from the partials),
 o_proj (+ residual, next norm), gate/up (1/rms, SiLU-and-mul in the epilogue) and down
 (+ residual, next norm), each reading the previous one's output, 36 layers of distinct weights
 (7.8 GB, far past the L2), replayed as one CUDA graph.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dllm.runner import skinny_gemm as sg
+from dllm.runner.kernels import skinny_gemm as sg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from report import (  # noqa: E402

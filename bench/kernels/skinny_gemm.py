@@ -1,6 +1,6 @@
-"""The Triton skinny GEMM (``dllm.runner.skinny_gemm``) against cuBLAS (``F.linear``) on the
-SDAR-8B / Qwen3-8B weight shapes at 1-16 tokens, bf16, with the copy-bandwidth ceiling measured
-in the same run.
+"""The Triton skinny GEMM (``dllm.runner.kernels.skinny_gemm``) against cuBLAS (``F.linear``)
+on the SDAR-8B / Qwen3-8B weight shapes at 1-16 tokens, bf16, with the copy-bandwidth ceiling
+measured in the same run.
 
     python bench/kernels/skinny_gemm.py --tokens 1,4,8,16 [--sweep] [--lm-head]
 
@@ -13,14 +13,14 @@ the weight plus x and the output once. Every result is checked against a float64
 ``--sweep`` times a handful of candidate configurations per shape and prints, per (N, K), the
 configuration with the least total time over the token counts (configs are keyed on (N, K)
 only, never on M, so a row's result does not depend on the batch) and whether it beats cuBLAS
-at every token count, as a ``CONFIGS`` table to paste into ``runner/skinny_gemm.py``.
+at every token count, as this device's entry (its compute capability) of the ``CONFIGS`` table
+in ``runner/kernels/skinny_gemm.py``.
 Writes ``skinny-gemm-<timestamp>.md`` / ``.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -28,14 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from dllm.runner import skinny_gemm as sg
-except ImportError:  # not installed: load the module from the checkout
-    _path = Path(__file__).resolve().parents[2] / "runner" / "skinny_gemm.py"
-    _spec = importlib.util.spec_from_file_location("skinny_gemm", _path)
-    sg = importlib.util.module_from_spec(_spec)
-    sys.modules["skinny_gemm"] = sg
-    _spec.loader.exec_module(sg)
+from dllm.runner.kernels import skinny_gemm as sg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from report import (  # noqa: E402
@@ -52,6 +45,7 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),
           ("down", 4096, 12288)]
 LM_HEAD = ("lm_head", 151936, 4096)
 ROTATE_BYTES = 400 * 2**20
+DEVICE = torch.device("cuda")  # the tables of the device the benchmark runs on
 SMEM_LIMIT = 200 * 1024  # bytes of shared memory a candidate's pipeline may use (H200: 227 KB)
 
 
@@ -78,7 +72,7 @@ def candidates(n: int, k: int) -> list:
                         continue
                     out.append(sg.SkinnyConfig(bn, bk, split, 8 if bn == 128 else 4, stages))
     # The non-swapped operand order and 8 warps, for the table's config.
-    base = sg.config_for(n, k)
+    base = sg.config_for(n, k, DEVICE)
     out += [sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, base.num_warps,
                             base.num_stages, swap_ab=False),
             sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, 8, base.num_stages),
@@ -143,10 +137,10 @@ def main() -> int:
             cublas[m] = us
             rows.append(dict(shape=name, n=n, k=k, m=m, impl="cublas", config="", us=us,
                              tb_s=byts[m] / us / 1e6, err=err))
-        configs = candidates(n, k) if args.sweep else [sg.config_for(n, k)]
+        configs = candidates(n, k) if args.sweep else [sg.config_for(n, k, DEVICE)]
         if args.max_configs:
             configs = configs[-args.max_configs:]
-        default = sg.config_for(n, k)
+        default = sg.config_for(n, k, DEVICE)
         for cfg in configs:
             for m in tokens:
                 try:
@@ -219,15 +213,16 @@ def main() -> int:
             lines.append(f"| {name} | {n} | {k} | {best.label()} | " + " | ".join(
                 f"{sel[m]['us']:.1f} ({sel[m]['tb_s']:.2f}, {sel[m]['vs_cublas']:.2f}x)"
                 for m in tokens) + f" | {all(sel[m]['vs_cublas'] > 1 for m in tokens)} |")
-        lines += ["", "Paste into `runner/skinny_gemm.py`:", "", "```python",
-                  "CONFIGS: dict[tuple[int, int], SkinnyConfig] = {"]
+        cap = tuple(torch.cuda.get_device_capability(DEVICE))
+        lines += ["", "This device's entry of `CONFIGS` in `runner/kernels/skinny_gemm.py`:", "",
+                  "```python", f"    {cap}: {{"]
         for name, n, k in shapes:
             c = recommended.get(f"{n},{k}")
             if c:
-                lines.append(f"    ({n}, {k}): SkinnyConfig({c['block_n']}, {c['block_k']}, "
+                lines.append(f"        ({n}, {k}): SkinnyConfig({c['block_n']}, {c['block_k']}, "
                              f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, "
                              f"{c['swap_ab']}),  # {name}")
-        lines += ["}", "```"]
+        lines += ["    },", "```"]
     lines += ["", f"{failures} failed correctness checks; {time.time() - t_start:.0f} s."]
     text = "\n".join(lines)
     print(text)

@@ -1,5 +1,5 @@
 """The ``DLLM_EXTEND`` attention of one layer alone: the Triton paged kernel
-(runner/attention/triton_extend.py) against FlashInfer's packed decode form (the production
+(runner/kernels/triton_extend.py) against FlashInfer's packed decode form (the production
 path at large batch, with and without its two head permutations) and its paged prefill with
 ``causal=False``, on SDAR-8B and LLaDA2-mini shapes, over a KV pool of shuffled pages.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dllm.runner.attention.triton_extend import default_config, dllm_extend_attention, reference
+from dllm.runner.kernels.triton_extend import default_config, dllm_extend_attention, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from report import copy_bandwidth, environment, require_cuda, stamp, write_report  # noqa: E402

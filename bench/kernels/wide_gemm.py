@@ -18,7 +18,7 @@ Writes ``wide-gemm-<stamp>.md`` / ``.json`` under ``--out``.
     python bench/kernels/wide_gemm.py --chain 128,256,512,1024,4096
 
 times instead what the runtime runs from o_proj to the next layer's norm, with cuBLAS and
-FlashInfer's kernels against ``dllm.runner.wide_gemm`` (``wide-chain-<stamp>``).
+FlashInfer's kernels against ``dllm.runner.kernels.wide_gemm`` (``wide-chain-<stamp>``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dllm.runner.wide_gemm import _sms, _tile  # the runtime's tile order
+from dllm.runner.kernels.hardware import num_sms
+from dllm.runner.kernels.wide_gemm import _tile  # the runtime's tile order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from report import environment, refused, require_cuda, rotating_us, write_report  # noqa: E402
@@ -155,7 +156,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, cfg: dict, form: str,
     if form == "tma":
         _gemm_tma_kernel[grid](x, w, y, m, n, k, **meta)
     elif form.startswith("persistent"):
-        programs = min(grid[0], _sms(x.device))
+        programs = min(grid[0], num_sms(x.device))
         _gemm_persistent_kernel[(programs,)](x, w, y, m, n, k, NUM_PROGRAMS=programs,
                                              WARP_SPECIALIZE=form.endswith("ws"), **meta)
     else:
@@ -183,7 +184,7 @@ def variants(out: str, m: int) -> int:
     warps, 4 and 5 stages)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from dllm.runner import wide_gemm as wg
+    from dllm.runner.kernels import wide_gemm as wg
 
     env = environment()
     dt = torch.bfloat16
@@ -257,12 +258,12 @@ def variants(out: str, m: int) -> int:
 def chain(out: str, tokens: list[int]) -> int:
     """The MLP half of a layer and the attention output before it, as the runtime runs them
     at each token count: cuBLAS with FlashInfer's add + RMSNorm and SiLU kernels, against
-    ``dllm.runner.wide_gemm`` (o_proj and down with the residual step in the epilogue,
+    ``dllm.runner.kernels.wide_gemm`` (o_proj and down with the residual step in the epilogue,
     gate/up with the norm's row scale and SiLU-and-mul; q/k/v's norm then a plain RMSNorm of
     the stream), and that without the down kernel. Layers rotate through 4 weight copies."""
     import flashinfer
 
-    from dllm.runner import wide_gemm as wg
+    from dllm.runner.kernels import wide_gemm as wg
 
     env = environment()
     dt, h, i = torch.bfloat16, 4096, 12288
@@ -334,7 +335,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
     ap.add_argument("--chain", default="",
                     help="comma-separated token counts: time the runtime's o_proj + MLP chain "
-                    "(cuBLAS + FlashInfer against dllm.runner.wide_gemm) instead")
+                    "(cuBLAS + FlashInfer against dllm.runner.kernels.wide_gemm) instead")
     ap.add_argument("--variants", action="store_true",
                     help="time variants of the runtime's wide kernels at --tokens instead")
     args = ap.parse_args()

@@ -14,12 +14,12 @@ signed overflow or on arithmetic-shift behaviour. The mixer is Chris Wellons'
 
 from __future__ import annotations
 
-import functools
-import importlib
 from enum import IntEnum
 
 import torch
 from torch import Tensor
+
+from dllm.runner.kernels import kernel_module
 
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -82,21 +82,11 @@ def unit_float64(high: Tensor, low: Tensor) -> Tensor:
 
 def position_uniform(seed: Tensor, step: Tensor, positions: Tensor, stream: int) -> Tensor:
     """One float32 uniform in (0, 1) per (row, position): ``[bs, B]``. On CUDA with Triton
-    installed, the same bits from one kernel (:mod:`dllm.algorithms.rng_kernel`)."""
+    installed, the same bits from one kernel (:mod:`dllm.runner.kernels.rng_kernel`)."""
     kernel = kernel_module("rng_kernel") if positions.is_cuda else None
     if kernel is not None and kernel.supports(seed, step, positions):
         return kernel.position_uniform(seed, step, positions, stream)
     return unit_float32(counter_key(seed, step, positions, stream))
-
-
-@functools.cache
-def kernel_module(name: str):
-    """The Triton kernel module ``dllm.algorithms.<name>`` (``rng_kernel``,
-    ``greedy_kernel``), or None where Triton is missing."""
-    try:
-        return importlib.import_module(f"dllm.algorithms.{name}")
-    except ImportError:
-        return None
 
 
 def gumbel_from_uniform(u: Tensor) -> Tensor:

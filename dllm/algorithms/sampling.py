@@ -29,7 +29,7 @@ Cost: with ``SamplingTensors.may_filter`` the vocabulary is sorted per position;
 ``may_sample`` a 32-bit hash is computed per (position, vocab id). A batch whose host-side
 flags are False skips that work. A batch with no sampling row on CUDA (with Triton) takes the
 greedy draw and its confidence in one pass over the logits
-(:mod:`dllm.algorithms.greedy_kernel`: the same function, its sum in another fixed order, so
+(:mod:`dllm.runner.kernels.greedy_kernel`: the same function, its sum in another fixed order, so
 it agrees with the reference to float32 rounding and is still independent of the batch);
 ``logprobs`` are then computed only if an algorithm reads them.
 """
@@ -47,11 +47,11 @@ from dllm.algorithms.rng import (
     Stream,
     counter_key,
     gumbel_from_uniform,
-    kernel_module,
     unit_float32,
     unit_float64,
     vocab_bits,
 )
+from dllm.runner.kernels import kernel_module
 
 _NEG_INF = float("-inf")
 

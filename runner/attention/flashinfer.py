@@ -3,7 +3,7 @@
 One plan per forward, reused by every layer:
 - ``DLLM_EXTEND`` where every row is one whole block, and ``DECODE``, where Triton is
   installed: no FlashInfer plan, the project's Triton kernel
-  (``dllm.runner.attention.triton_extend``: q and the output in their natural layout, one
+  (``dllm.runner.kernels.triton_extend``: q and the output in their natural layout, one
   program per row and KV head, keys split over several programs at small batch);
 - other ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
   prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``. A batch with
@@ -35,7 +35,7 @@ from dllm.runner.attention.base import AttentionBackend, AttentionLayer
 from dllm.runner.attention.mask import visibility
 from dllm.runner.attention.page_table import build_page_table
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
-from dllm.runner.kernels import pdl_enabled
+from dllm.runner.kernels.hardware import num_sms
 
 WORKSPACE_BYTES = 256 * 2**20
 # Key splits of the Triton ``DLLM_EXTEND`` kernel at small batch: a row of a few hundred keys
@@ -72,8 +72,10 @@ class FlashInferBackend(AttentionBackend):
         CUDA-graph wrappers refuse any other batch size). Otherwise a general backend (the
         eager runner) for batches of any shape."""
         self.device = device
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.pdl = pdl_enabled(device)  # for the Triton kernel
+        self.num_sms = num_sms(device)
+        # Programmatic dependent launch of the Triton kernel stays off: measured slower
+        # (``layer_ops.FlashInferOps.pdl``).
+        self.pdl = False
         self.page_size = page_size
         self.workspace = workspace if workspace is not None else torch.empty(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -113,7 +115,7 @@ class FlashInferBackend(AttentionBackend):
         # prefill at one).
         self.triton_extend = None
         if triton_available():
-            from dllm.runner.attention import triton_extend
+            from dllm.runner.kernels import triton_extend
 
             self.triton_extend = triton_extend
         # The wrapper planned for this forward, and the query tokens per decode row (the

@@ -1,4 +1,4 @@
-"""``dllm.algorithms.rng_kernel``: the one-launch ``position_uniform`` gives the reference's
+"""``dllm.runner.kernels.rng_kernel``: the one-launch ``position_uniform`` gives the reference's
 bits exactly, for seeds and steps across the whole int64 range, every stream and widths that
 are not powers of two; and ``rng.position_uniform`` takes it on CUDA.
 
@@ -26,7 +26,7 @@ def _reference(seed, step, positions, stream):
 @pytest.mark.parametrize("stream", list(Stream))
 @pytest.mark.parametrize("width", [1, 4, 5, 32, 100])
 def test_kernel_equals_reference_bit_for_bit(stream, width):
-    from dllm.algorithms import rng_kernel
+    from dllm.runner.kernels import rng_kernel
 
     g = torch.Generator().manual_seed(width)
     bs = len(SEEDS)
@@ -44,7 +44,7 @@ def test_kernel_equals_reference_bit_for_bit(stream, width):
 
 
 def test_strided_positions_and_int32_inputs():
-    from dllm.algorithms import rng_kernel
+    from dllm.runner.kernels import rng_kernel
 
     seed = torch.tensor([5, 6, 7], dtype=torch.int64, device=DEV)
     step = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV)

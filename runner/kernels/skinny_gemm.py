@@ -30,18 +30,18 @@ cuBLAS), o_proj 2.85 TB/s (1.05-1.09x), qkv 3.1 TB/s (0.94-0.98x cuBLAS, i.e. a 
 ~0.5 us). Every shape pays a roughly fixed ~4 us per launch (ramp-up of the first loads and the
 tail) over its bytes / 4.4 TB/s, which is what keeps the 34-50 MB shapes near 3 TB/s; tile
 shape, stages and split-K do not move it. A whole batch-1 step's chain of these GEMMs
-(``bench/layer_chain.py``, 36 layers, fused epilogues) runs at 1.14x its bytes at the copy
+(``bench/kernels/layer_chain.py``, 36 layers, fused epilogues) runs at 1.14x its bytes at the copy
 ceiling. Starting the next kernel's weight stream early does not hide that share: with
 programmatic dependent launch (``pdl``) letting the next kernel launch at a program's start
 or once its input is ready, the chain took 1.54-1.61x (the waiting programs of the next
 kernel hold SM slots the running one needs), and after the main loop 1.15-1.20x, with 0-16
 MB of each weight prefetched into L2 and with an ``evict_first`` policy on the weights alike
-(layer-chain-20261130-021023); ``evict_first`` alone changes nothing (1.143x).
+(bench/NOTES.md, session 6); ``evict_first`` alone changes nothing (1.143x).
 
 **Determinism and row independence.** There are no atomics and no run-time autotuning: the
-configuration comes from a fixed table keyed on (N, K) only (``CONFIGS``, with a default
-heuristic for shapes not in it), so the tiling, the K order and the split reduction are the same
-for every M and every process. The kernel is compiled once per configuration, not per M (M is
+configuration comes from a fixed table keyed on the device's compute capability and (N, K)
+only (``CONFIGS``, with a default heuristic for shapes not in it), so the tiling, the K order
+and the split reduction are the same for every M and every process on a device. The kernel is compiled once per configuration, not per M (M is
 not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
 the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
 output is bit-identical whether it is computed alone or in a batch of up to 16.
@@ -58,14 +58,14 @@ the next norm's weight and writes each program's partial sums of ``s²``; the pr
 order and scales its float32 accumulator by ``1 / rms(s)`` at the end; with ``silu`` it
 streams its gate rows and the matching up rows and writes ``silu(gate) * up``. At batch 1 that
 removes three of a layer's ten launches (two add + RMSNorm kernels and the SiLU kernel).
-Measured per call on the 8B shapes at 1-4 tokens (``skinny-fused-20261130-012342``): the
+Measured per call on the 8B shapes at 1-4 tokens (bench/NOTES.md, session 5): the
 producer epilogue costs 0.7-1.3 µs over the plain kernel, the consumer's 0.4-1.2 µs, SiLU at
 64 + 64 rows 0.9 µs (at 32 + 32 rows, mma.sync instead of wgmma, 8.5 µs); in the SDAR-8B batch-1
 step, 5.05 → 4.68 ms together with the one-launch ``position_uniform``.
 
 Work in the K loop is what must not be added: a first version normalised x tile by tile
 inside the loop (the sum of squares, the norm weight, the residual add) and took qkv from 15.5
-to 57 µs and gate/up from 49.5 to 78 µs (181 with SiLU) (``skinny-fused-20261130-010727``),
+to 57 µs and gate/up from 49.5 to 78 µs (181 with SiLU) (bench/NOTES.md, session 5),
 like an earlier attempt to form SiLU-and-mul in the down projection's K loop (57-133 µs
 against 27 + 4-8 µs).
 """
@@ -79,6 +79,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dllm.runner.kernels.hardware import num_sms, tuned
 
 __all__ = ["CONFIGS", "SILU_CONFIGS", "SkinnyConfig", "config_for", "residual_operands_match",
            "silu_fused", "skinny_linear", "skinny_linear_residual", "supports",
@@ -104,33 +106,40 @@ class SkinnyConfig:
                 f"st{self.num_stages}{'T' if self.swap_ab else 'N'}")
 
 
-# (N, K) -> configuration. Keyed on the weight's shape only: never on M (row independence).
-# From `bench/skinny_gemm.py --sweep --lm-head --tokens 1,4,8,16` on an H200 (2026-11-30,
-# torch 2.11, triton 3.6): the config with the least total time over M = 1, 4, 8, 16 out of
-# 53-87 candidates per shape. Split-K never won by more than the run-to-run noise (~0.3 us).
-CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (6144, 4096): SkinnyConfig(32, 256, 1, 4, 4),  # qkv      ~16.2 us, 3.1 TB/s (cuBLAS 15.5)
-    (4096, 4096): SkinnyConfig(32, 512, 1, 4, 3),  # o_proj   ~11.8 us, 2.9 TB/s (cuBLAS 12.6)
-    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6),  # gate_up ~49.5 us, 4.1 TB/s (cuBLAS 50.4)
-    (4096, 12288): SkinnyConfig(32, 512, 1, 4, 3),  # down    ~27.2 us, 3.7 TB/s (cuBLAS 29.4)
-    (151936, 4096): SkinnyConfig(128, 128, 1, 8, 2),  # lm_head ~281 us, 4.4 TB/s (cuBLAS 299)
+# Compute capability -> (N, K) -> configuration (``hardware.tuned``: a device without an entry
+# takes the H200's). Keyed on the weight's shape only: never on M (row independence).
+# sm_90 from `bench/kernels/skinny_gemm.py --sweep --lm-head --tokens 1,4,8,16` on an H200 (torch 2.11,
+# triton 3.6; bench/NOTES.md, session 4): the config with the least total time over M = 1, 4,
+# 8, 16 out of 53-87 candidates per shape. Split-K never won by more than the run-to-run noise
+# (~0.3 us).
+CONFIGS: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
+    (9, 0): {
+        (6144, 4096): SkinnyConfig(32, 256, 1, 4, 4),  # qkv    ~16.2 us, 3.1 TB/s (cuBLAS 15.5)
+        (4096, 4096): SkinnyConfig(32, 512, 1, 4, 3),  # o_proj ~11.8 us, 2.9 TB/s (cuBLAS 12.6)
+        (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6),  # gate_up ~49.5 us, 4.1 TB/s (cuBLAS 50.4)
+        (4096, 12288): SkinnyConfig(32, 512, 1, 4, 3),  # down  ~27.2 us, 3.7 TB/s (cuBLAS 29.4)
+        (151936, 4096): SkinnyConfig(128, 128, 1, 8, 2),  # lm_head ~281 us, 4.4 TB/s (cuBLAS 299)
+    },
 }
 
-# (2N, K) of a fused [gate; up] weight -> the configuration of ``skinny_linear(silu=True)``,
-# BLOCK_N counting the rows of each half. Where none is listed, ``silu_fused`` is False: the
-# two-accumulator kernel at the halved table tile (32 + 32 rows, mma.sync) measured 57.9 µs
-# against 49.5 + ~4 for the plain kernel and a separate SiLU kernel
-# (skinny-fused-20261130-011641); 64 + 64 rows (wgmma) runs at the plain kernel's speed.
-SILU_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    # gate_up of the 8B shapes: 50.3 µs against 49.4 plain (skinny-fused-20261130-012342)
-    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 3),
+# Compute capability -> (2N, K) of a fused [gate; up] weight -> the configuration of
+# ``skinny_linear(silu=True)``, BLOCK_N counting the rows of each half. Where none is listed,
+# ``silu_fused`` is False: on the H200 the two-accumulator kernel at the halved table tile
+# (32 + 32 rows, mma.sync) measured 57.9 µs against 49.5 + ~4 for the plain kernel and a
+# separate SiLU kernel; 64 + 64 rows (wgmma) runs at the plain kernel's speed (bench/NOTES.md,
+# session 5).
+SILU_CONFIGS: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
+    (9, 0): {
+        # gate_up of the 8B shapes: 50.3 µs against 49.4 plain (bench/NOTES.md, session 5)
+        (24576, 4096): SkinnyConfig(64, 128, 1, 4, 3),
+    },
 }
 
 
-def silu_fused(rows: int, k: int) -> bool:
+def silu_fused(rows: int, k: int, device: torch.device | None = None) -> bool:
     """Whether SiLU-and-mul in the gate/up GEMM's epilogue is measured to beat a separate
-    kernel for this weight shape."""
-    return (rows, k) in SILU_CONFIGS
+    kernel for this weight shape (on ``device``; None: the reference device)."""
+    return (rows, k) in tuned(SILU_CONFIGS, device)
 
 
 def _halved(cfg: SkinnyConfig) -> SkinnyConfig:
@@ -138,26 +147,24 @@ def _halved(cfg: SkinnyConfig) -> SkinnyConfig:
                         cfg.num_stages, cfg.swap_ab)
 
 
-_SMS = 132  # H200; only used by the default heuristic, never read from the device at run time
-
-
-def _default(n: int, k: int) -> SkinnyConfig:
+def _default(n: int, k: int, sms: int) -> SkinnyConfig:
     """Shapes not in the table: what the sweep favoured (no split, ~32-64 KB of W in flight
-    per program), with K split only when the grid would leave most SMs idle."""
+    per program), with K split only when the grid would leave most of the ``sms`` SMs idle."""
     block_n = 32 if n <= 16384 else (64 if n <= 65536 else 128)
     block_k = 256 if k % 256 == 0 else (128 if k % 128 == 0 else 64)
     stages = max(2, min(6, 65536 // (block_n * block_k * 2)))
     split = 1
-    while (triton.cdiv(n, block_n) * split < _SMS // 2 and k % (block_k * split * 2) == 0
+    while (triton.cdiv(n, block_n) * split < sms // 2 and k % (block_k * split * 2) == 0
            and k // (block_k * split * 2) >= 8):
         split *= 2
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split,
                         num_warps=8 if block_n == 128 else 4, num_stages=stages)
 
 
-def config_for(n: int, k: int) -> SkinnyConfig:
-    cfg = CONFIGS.get((n, k))
-    return cfg if cfg is not None else _default(n, k)
+def config_for(n: int, k: int, device: torch.device | None = None) -> SkinnyConfig:
+    """The configuration for an ``[n, k]`` weight on ``device`` (None: the reference device)."""
+    cfg = tuned(CONFIGS, device).get((n, k))
+    return cfg if cfg is not None else _default(n, k, num_sms(device))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -300,18 +307,21 @@ def _reduce_kernel(p_ptr, b_ptr, out_ptr, M, N, stride_ps, stride_om, HAS_BIAS: 
 
 
 _REDUCE_BLOCK = 1024
+# The PDL variants below were measured (bench/NOTES.md, session 6) and lost to the plain
+# launch; they stay constants that ``bench/kernels/layer_chain.py`` sets for its A/B runs.
 # Bytes of a weight matrix prefetched into L2 under ``pdl``: well inside the H200's 50 MB L2,
-# so the lines are still there when the main loop reads them (0: PDL without the prefetch).
-PREFETCH_BYTES = int(os.environ.get("DLLM_SKINNY_PREFETCH_MB", "16")) * 2**20
+# so the lines are still there when the main loop reads them (0: PDL without the prefetch;
+# 0-16 MB measured alike).
+PREFETCH_BYTES = 16 * 2**20
 # The weights' L2 eviction policy ("", "evict_first", "evict_last"), for measurements: each
 # weight is read once a step, but "evict_first" measured no change (1.143x vs 1.138x the
-# bytes for the batch-1 GEMM chain, layer-chain-20261130-021023).
-W_EVICT = os.environ.get("DLLM_SKINNY_EVICT", "")
+# bytes for the batch-1 GEMM chain).
+W_EVICT = ""
 # Under ``pdl``, where a program lets the next kernel launch: 0 at its start (before it waits
 # for its own input), 1 once its input is ready, 2 after its main loop (only the epilogue left;
 # the least slow of the three: 4.66 ms against 5.49 for 1 and 4.65 without PDL, SDAR-8B
-# batch 1, offline-20261130-021029 / -021116-pdl-trigger1 / -021156-pdl-trigger2).
-PDL_TRIGGER = int(os.environ.get("DLLM_SKINNY_TRIGGER", "2"))
+# batch 1).
+PDL_TRIGGER = 2
 
 
 def _prefetch_lines(n: int, k: int) -> int:
@@ -343,9 +353,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config is not None:
         cfg = config  # with silu: BLOCK_N rows of gate and as many of up per program
     elif silu:
-        cfg = SILU_CONFIGS.get((rows, k)) or _halved(config_for(rows, k))
+        cfg = (tuned(SILU_CONFIGS, x.device).get((rows, k))
+               or _halved(config_for(rows, k, x.device)))
     else:
-        cfg = config_for(rows, k)
+        cfg = config_for(rows, k, x.device)
     if silu or sum_sq is not None:
         cfg = _unsplit(cfg)
     out = _output(out, m, n, x)
@@ -394,7 +405,7 @@ def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_M and weight.shape[1] == k and k % 16 == 0
-    cfg = _unsplit(config if config is not None else config_for(n, k))
+    cfg = _unsplit(config if config is not None else config_for(n, k, x.device))
     stream = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scaled = torch.empty((m, n), dtype=x.dtype, device=x.device)
     sum_sq = torch.empty((triton.cdiv(n, cfg.block_n), MAX_M), dtype=torch.float32,

@@ -5,8 +5,8 @@ At 512 rows cuBLAS runs the 8B shapes at the matmul rate, and what costs time be
 the small memory-bound kernels between them: SiLU-and-mul after gate/up (12 µs a layer), the
 residual add + RMSNorm after o_proj (6 µs), and a memset cuBLAS puts before its gate/up
 kernel, which the GPU idles 4 µs behind (SDAR-8B batch 128: 0.43 + 0.21 + 0.15 ms a step).
-Two Triton kernels take them in, the same two fusions as the skinny GEMM's
-(``dllm.runner.skinny_gemm``) with the same contract (``PreNormed``), for M >= ``MIN_M``:
+Two Triton kernels take them in, the same two fusions as the skinny GEMM's (``skinny_gemm``)
+with the same contract (``PreNormed``), for M >= ``MIN_M``:
 
 * ``linear_residual`` (o_proj; ``residual_pays`` says for which shapes): ``y = x @ W.T``
   over a grid of 128 x 128 tiles (pointer loads, 5 stages), with the epilogue of the skinny
@@ -19,17 +19,15 @@ Two Triton kernels take them in, the same two fusions as the skinny GEMM's
   rounded once.
 
 **Measured** (H200, 512 rows, CUDA-graph replay, weights rotated through > L2;
-``bench/wide_gemm.py``, wide-gemm-20261130-030420): the plain forms of these tiles against
+``bench/kernels/wide_gemm.py``; bench/NOTES.md, session 7): the plain forms of these tiles against
 cuBLAS: gate/up 138.8 µs vs 136.9 (the persistent TMA form; the best non-persistent one
 150.1), o_proj 25.5 vs 24.4, down 70.9 vs 68.1; qkv 43.0 vs 35.7 (its 48 column tiles leave
-the grid at 1.45 waves), so qkv stays with cuBLAS. With the fusions
-(wide-variants-20261130-031554 / -033038, wide-chain-20261130-032221): o_proj + residual step
-27.7 µs against 24.4 + 5.9 for cuBLAS and FlashInfer's add + RMSNorm; gate/up + SiLU 134.6-
-152.8 µs across stage counts and machines against 136.9 + ~12 + the memset's 4; the o_proj →
-MLP chain a layer 270.2 µs against 278.3 at 512 rows, 522.8 against 545.0 at 1024, but 177.1
-against 145.5 at 256 (two row tiles: 1.45 waves), hence ``MIN_M`` = 512. SDAR-8B batch 128,
-back to back on one machine: 14.77 ms a step against 15.01 (offline-20261130-032226 /
--032258).
+the grid at 1.45 waves), so qkv stays with cuBLAS. With the fusions (session 7 too): o_proj +
+residual step 27.7 µs against 24.4 + 5.9 for cuBLAS and FlashInfer's add + RMSNorm; gate/up +
+SiLU 134.6-152.8 µs across stage counts and machines against 136.9 + ~12 + the memset's 4; the
+o_proj → MLP chain a layer 270.2 µs against 278.3 at 512 rows, 522.8 against 545.0 at 1024,
+but 177.1 against 145.5 at 256 (two row tiles: 1.45 waves), hence ``MIN_M`` = 512. SDAR-8B
+batch 128, back to back on one machine: 14.77 ms a step against 15.01.
 
 **Determinism and row independence**: a fixed configuration (no autotuning), no atomics, the
 K order and the partial sums' order fixed; a row's result depends only on that row (rows
@@ -47,21 +45,25 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dllm.runner.skinny_gemm import residual_operands_match
+from dllm.runner.kernels.hardware import num_sms
+from dllm.runner.kernels.skinny_gemm import residual_operands_match
 
 __all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "supports",
            "supports_gate_up", "supports_residual"]
 
-# Fewest rows the wide kernels take (``DLLM_WIDE_MIN_TOKENS``); below, cuBLAS and the
-# separate kernels (from 17 rows) or the skinny GEMM (to 16).
-MIN_M = int(os.environ.get("DLLM_WIDE_MIN_TOKENS", "512"))
+# Fewest rows the wide kernels take; below, cuBLAS and the separate kernels (from 17 rows) or
+# the skinny GEMM (to 16). From 256 rows the layer's chain was slower (177.1 µs against 145.5)
+# and without the wide kernels the SDAR-8B batch-128 step too (15.01 ms against 14.77;
+# bench/NOTES.md, session 7).
+MIN_M = 512
 _HALF = (torch.float16, torch.bfloat16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
 RESIDUAL_WARPS, RESIDUAL_STAGES = 4, 5
-# The gate/up kernel's pipeline depth (``DLLM_WIDE_SILU_STAGES``, for A/B runs): 3 and 4
-# stages measured within machine-to-machine noise of each other (bench/NOTES.md, sessions 7, 8).
-SILU_WARPS, SILU_STAGES = 8, int(os.environ.get("DLLM_WIDE_SILU_STAGES", "4"))
+# The gate/up kernel's pipeline depth (``bench/kernels/wide_gemm.py`` sets it for A/B runs): 3 stages
+# measured within machine-to-machine noise of 4 in session 7 and slower in session 8, in situ
+# 14.55 ms a step against 14.21 and 14.43 (bench/NOTES.md).
+SILU_WARPS, SILU_STAGES = 8, 4
 
 
 @triton.jit
@@ -118,7 +120,7 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
     row_ok = rm < M
     if SS_PARTS > 0:
         # The row scale first, so that its loads overlap the main loop's (in the epilogue
-        # they cost 4-6 µs a call at 512 rows, wide-variants-20261130-032210).
+        # they cost 4-6 µs a call at 512 rows; bench/NOTES.md, session 7).
         rp = tl.arange(0, SS_BLOCK)
         ss = tl.sum(tl.load(ss_ptr + rp[:, None] * M + rm[None, :],
                             mask=(rp[:, None] < SS_PARTS) & row_ok[None, :], other=0.0),
@@ -130,7 +132,7 @@ def _gate_up_tile(x_desc, w_desc, y_ptr, ss_ptr, eps, M, N, K, stride_ym, tile,
         # w_desc views W as [2, N, K] (its gate and up halves): one TMA load brings BLOCK_N
         # gate rows and the matching up rows, which stay in shared memory as one
         # [2 * BLOCK_N, BLOCK_K] operand of one MMA (two MMAs of BLOCK_N columns measured
-        # 170-180 µs against 136 for the 8B gate/up at 512 rows, wide-variants-20261130-031554).
+        # 170-180 µs against 136 for the 8B gate/up at 512 rows; bench/NOTES.md, session 7).
         w = w_desc.load([0, pid_n * BLOCK_N, kt * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
         acc = tl.dot(a, w.T, acc)
     if SS_PARTS > 0:
@@ -193,7 +195,7 @@ def residual_pays(n: int, k: int) -> bool:
     weight in the decoder: for o_proj (K = N; its consumer, gate/up, finishes the norm in its
     epilogue) 27.7 µs against 24.4 + 5.9; not for down (K = 3N; its consumer, q/k/v, stays
     with cuBLAS and needs a plain RMSNorm of the stream): 72.3 + 4.0 against 68.1 + 5.9 (8B
-    shapes at 512 rows, wide-variants-20261130-031554 and the profile of that step)."""
+    shapes at 512 rows, bench/NOTES.md, session 7)."""
     return k <= n
 
 
@@ -228,15 +230,6 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     return stream, scaled, sum_sq
 
 
-_SMS: dict[torch.device, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | None = None,
                  eps: float = 0.0) -> torch.Tensor:
     """``silu(gate) * up`` of SwiGLU's fused ``[gate; up]`` weight (``2N`` rows): ``[M, N]``,
@@ -252,7 +245,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, sum_sq: torch.Tensor | N
     # One program an SM, or one a tile where there are fewer tiles; the loop's stride is the
     # SM count whatever the grid (a program then takes one tile), so that a token count
     # never compiles a variant of its own. The interpreter: one program a tile.
-    stride = 1 if _INTERPRET else _sms(x.device)
+    stride = 1 if _INTERPRET else num_sms(x.device)
     programs = tiles if _INTERPRET else min(tiles, stride)
     parts = 0 if sum_sq is None else sum_sq.shape[0]
     _gate_up_kernel[(programs,)](

@@ -24,7 +24,7 @@ The bound (SDAR-8B, 32/8 heads of 128, B = 4, 128 rows of ~330 keys, bf16): each
 its keys' K and V once per KV head, 128 × 330 × 8 × 128 × 2 B × 2 = 173 MB a layer, ≈ 41 µs at
 4.25 TB/s; the FLOPs (4·M·keys·D per program, 1.4 GFLOP a layer) are nothing. FlashInfer's
 packed decode form took 90.6 µs a layer plus two 7.7 µs head-permutation copies.
-Measured (bench/triton_attention.py, H200, triton 3.6, 327 keys a row on average, KV from
+Measured (bench/kernels/triton_attention.py, H200, triton 3.6, 327 keys a row on average, KV from
 HBM): 54 µs (3.2 TB/s, 1.35× the bound; 53 µs as a CUDA-graph replay) against 64 µs for
 FlashInfer's packed decode kernel and 82 µs with its permutations. Every tile variant swept
 (BLOCK_N 32–128, 4/8 warps, 1–4 stages, prefetching the next chunk, KV heads of a row side
@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import torch
 
+from dllm.runner.kernels import hardware
+
 try:
     import triton
     import triton.language as tl
@@ -79,10 +81,13 @@ def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv
             and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
 
 
-def splits_for(rows: int, num_kv_heads: int, num_sms: int = 132) -> int:
+def splits_for(rows: int, num_kv_heads: int, num_sms: int | None = None) -> int:
     """Key splits for a batch of ``rows`` rows: enough that rows × Hkv × splits ≥ 2 × the SM
-    count, at most :data:`MAX_SPLITS`, 1 once rows × Hkv alone fills the GPU. From host numbers
+    count (``num_sms``: the device's; None, the reference device's, ``hardware.REFERENCE``),
+    at most :data:`MAX_SPLITS`, 1 once rows × Hkv alone fills the GPU. From host numbers
     only (never the lengths), so a CUDA graph captured for ``rows`` fits any replayed batch."""
+    if num_sms is None:
+        num_sms = hardware.num_sms(None)
     programs = max(rows, 1) * max(num_kv_heads, 1)
     return max(1, min(MAX_SPLITS, -(-2 * num_sms // programs)))
 

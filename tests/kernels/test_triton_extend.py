@@ -1,5 +1,5 @@
 """GPU tests of the Triton paged attention for ``DLLM_EXTEND`` and ``DECODE``
-(runner/attention/triton_extend.py) against the SDPA backend: every output element written,
+(runner/kernels/triton_extend.py) against the SDPA backend: every output element written,
 padding rows zero, runs deterministic, a row's bits independent of its batch, and the launch
 captured in a CUDA graph equal to the eager launch."""
 
@@ -83,7 +83,7 @@ CASES = {
 
 
 def run_case(name, seed=0):
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     block, h, hkv, d, seq_lens, dtype = CASES[name]
     dev = torch.device("cuda")
@@ -119,7 +119,7 @@ def test_triton_extend_equals_sdpa(name):
 
 @pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
 def test_triton_extend_deterministic_and_row_independent(name):
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     block, *_ = CASES[name]
     q, args, out, *_ = run_case(name)
@@ -136,7 +136,7 @@ def test_triton_extend_deterministic_and_row_independent(name):
 
 def test_triton_extend_strided_q():
     """q as a slice of a fused qkv projection (row stride > H·D) gives the same bits."""
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     block, h, hkv, d, *_ = CASES["sdar_b4_g4"]
     q, args, out, *_ = run_case("sdar_b4_g4")
@@ -149,7 +149,7 @@ def test_triton_extend_strided_q():
 def test_triton_extend_cuda_graph():
     """Captured once, replayed after the batch's lengths, rows and queries changed in place:
     equal to an eager launch on the new values."""
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     q, args, out, *_ = run_case("sdar_b4_g4")
     k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
@@ -169,7 +169,7 @@ def test_triton_extend_cuda_graph():
 
 
 def test_decode_attention_equals_sdpa():
-    from dllm.runner.attention.triton_extend import decode_attention
+    from dllm.runner.kernels.triton_extend import decode_attention
 
     h, hkv, d, dtype = 32, 8, 128, torch.bfloat16
     seq_lens = [1, 17, 0, 300, 64]
@@ -191,7 +191,7 @@ def test_decode_attention_equals_sdpa():
 
 
 def test_supports():
-    from dllm.runner.attention.triton_extend import supports
+    from dllm.runner.kernels.triton_extend import supports
 
     cuda = torch.device("cuda")
     assert supports(torch.bfloat16, torch.bfloat16, 32, 8, 128, cuda)
@@ -207,7 +207,7 @@ def test_supports():
 @pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
 def test_triton_extend_configs(name, config):
     """The tile variants the benchmark sweeps compute the same function."""
-    from dllm.runner.attention.triton_extend import dllm_extend_attention, reference
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention, reference
 
     q, args, out, *_ = run_case(name)
     ref = reference(q, *args)
@@ -264,7 +264,7 @@ def _dtype(name):
 @pytest.mark.parametrize("num_splits", [2, 3, 8, 16])
 @pytest.mark.parametrize("name", sorted(SPLIT_CASES))
 def test_triton_extend_split_equals_reference(name, num_splits, dtype):
-    from dllm.runner.attention.triton_extend import dllm_extend_attention, reference
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention, reference
 
     q, args = split_inputs(name, _dtype(dtype))
     block, seq_lens = args[5], args[4].tolist()
@@ -281,7 +281,7 @@ def test_triton_extend_split_equals_reference(name, num_splits, dtype):
 @pytest.mark.parametrize("num_splits", [3, 16])
 @pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4", "decode_b1_g4"])
 def test_triton_extend_split_deterministic_and_row_independent(name, num_splits, dtype):
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     q, args = split_inputs(name, _dtype(dtype))
     k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
@@ -301,7 +301,7 @@ def test_triton_extend_split_deterministic_and_row_independent(name, num_splits,
 @pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
 def test_triton_extend_one_split_is_default(name):
     """num_splits=1 is the single launch: the default call's bits."""
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     q, args = split_inputs(name, torch.float16)
     assert torch.equal(dllm_extend_attention(q, *args, num_splits=1),
@@ -316,7 +316,7 @@ def test_triton_extend_one_split_is_default(name):
 @pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
 def test_triton_extend_split_configs(name, config, dtype="float16"):
     """The tile variants (their next-chunk prefetch strides by the split count) with splits."""
-    from dllm.runner.attention.triton_extend import dllm_extend_attention, reference
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention, reference
 
     q, args = split_inputs(name, _dtype(dtype))
     ref = reference(q, *args)
@@ -330,7 +330,7 @@ def test_triton_extend_split_configs(name, config, dtype="float16"):
 def test_triton_extend_split_cuda_graph():
     """Split launch captured once with short rows, replayed with longer rows (past the
     captured lengths), other rows and queries: equal to an eager launch on the new values."""
-    from dllm.runner.attention.triton_extend import dllm_extend_attention
+    from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
     q, args = split_inputs("sdar_b4_g4", torch.bfloat16)
     k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
@@ -351,7 +351,7 @@ def test_triton_extend_split_cuda_graph():
 
 
 def test_splits_for():
-    from dllm.runner.attention.triton_extend import MAX_SPLITS, splits_for
+    from dllm.runner.kernels.triton_extend import MAX_SPLITS, splits_for
 
     assert splits_for(1, 8) == MAX_SPLITS  # 8 programs: 264 / 8 = 33, capped
     assert splits_for(4, 8) == 9  # 32 programs -> 288 >= 264
@@ -371,7 +371,7 @@ def test_splits_for():
 def test_triton_extend_folded_merge_equals_merge_launch(name, num_splits):
     """The merge in the last split program (an atomic counter per row, KV head and chunk of
     M) gives the bits of the separate merge launch, and leaves every counter at 0."""
-    from dllm.runner.attention import triton_extend as te
+    from dllm.runner.kernels import triton_extend as te
 
     q, args = split_inputs(name, torch.bfloat16)
     folded = te.dllm_extend_attention(q, *args, num_splits=num_splits, fold_merge=True)
@@ -383,7 +383,7 @@ def test_triton_extend_folded_merge_equals_merge_launch(name, num_splits):
 def test_triton_extend_folded_merge_graph_replays():
     """Replayed again and again, the folded merge's counters go back to 0 every time: each
     replay equals the eager launch on that replay's inputs."""
-    from dllm.runner.attention import triton_extend as te
+    from dllm.runner.kernels import triton_extend as te
 
     q, args = split_inputs("sdar_b4_g4", torch.bfloat16)
     static_out = torch.empty_like(q)

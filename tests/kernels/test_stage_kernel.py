@@ -1,6 +1,6 @@
-"""``dllm.runner.stage_kernel``: the one-launch carry gather and cache-slot lookup of a batch
-of uniform rows equals the registry's torch path exactly, and ``InputRegistry.load`` takes it
-on CUDA (the same views as on the CPU).
+"""``dllm.runner.kernels.stage_kernel``: the one-launch carry gather and cache-slot lookup of a
+batch of uniform rows equals the registry's torch path exactly, and ``InputRegistry.load``
+takes it on CUDA (the same views as on the CPU).
 
 GPU tests (marker ``gpu``). With ``TRITON_INTERPRET=1`` the kernel test also runs on the CPU
 under Triton's interpreter."""
@@ -20,7 +20,7 @@ pytestmark = MARKS
 @pytest.mark.parametrize("width,bs", [(4, 3), (1, 5), (32, 2), (5, 1)])
 @pytest.mark.parametrize("column_view", [False, True])
 def test_stage_rows_equals_torch(width, bs, column_view):
-    from dllm.runner.stage_kernel import stage_rows
+    from dllm.runner.kernels.stage_kernel import stage_rows
 
     g = torch.Generator().manual_seed(width * 10 + bs)
     table = torch.randperm(8 * 256, generator=g).view(8, 256)

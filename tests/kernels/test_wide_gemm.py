@@ -1,4 +1,4 @@
-"""The wide GEMMs (``dllm.runner.wide_gemm``) for many rows: the residual-step producer and
+"""The wide GEMMs (``dllm.runner.kernels.wide_gemm``) for many rows: the residual-step producer and
 the gate/up + SiLU consumer equal a float64 reference within bf16 rounding, keep the
 skinny GEMM's ``PreNormed`` contract, are bit-for-bit deterministic, compute each row
 independently of the others, and replay in a CUDA graph.
@@ -30,7 +30,7 @@ EPS = 1e-6
 
 @pytest.fixture(scope="module")
 def wg():
-    from dllm.runner import wide_gemm
+    from dllm.runner.kernels import wide_gemm
 
     return wide_gemm
 

@@ -1,4 +1,4 @@
-"""The fused greedy draw (``dllm.algorithms.greedy_kernel``, Triton) against the reference
+"""The fused greedy draw (``dllm.runner.kernels.greedy_kernel``, Triton) against the reference
 path of ``sample_tokens`` (marker ``gpu``; skipped without CUDA and Triton)."""
 
 from __future__ import annotations

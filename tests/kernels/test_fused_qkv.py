@@ -1,6 +1,6 @@
 """GPU tests (marker ``gpu``; skipped without CUDA or Triton) of the fused Triton kernels of
-``dllm.runner.fused_qkv``: per-head RMSNorm + RoPE of q and k against the reference ops (the
-float32 reference on upcast inputs, and the bf16 reference path), the KV-cache writes against
+``dllm.runner.kernels.fused_qkv``: per-head RMSNorm + RoPE of q and k against the reference ops
+(the float32 reference on upcast inputs, and the bf16 reference path), the KV-cache writes against
 ``index_put``, and the one-launch norm + RoPE + KV write against both. Outputs and caches are
 poisoned with NaN first, so an element a kernel fails to write shows up.
 
@@ -76,7 +76,7 @@ def _reference(rope, qkv, h, hkv, d, wq, wk, pos, upcast: bool):
 
 def check_qk_norm_rope(device, dtype, t: int, h: int, hkv: int, d: int, factor: float,
                        norm: bool, tol: float = 1e-2) -> None:
-    from dllm.runner.fused_qkv import qk_norm_rope
+    from dllm.runner.kernels.fused_qkv import qk_norm_rope
 
     rope = _rope(factor, d, device)
     table = rope.cos_sin_cache(MAX_POS)
@@ -122,7 +122,7 @@ def _assert_only_slots(buf: torch.Tensor, loc: torch.Tensor, want: torch.Tensor)
 
 
 def check_store_kv(device, dtype, t: int, hkv: int, d: int, src_dtype=None) -> None:
-    from dllm.runner.fused_qkv import store_kv
+    from dllm.runner.kernels.fused_qkv import store_kv
 
     src_dtype = src_dtype or dtype
     g = torch.Generator(device=device).manual_seed(2)
@@ -144,7 +144,7 @@ def check_store_kv(device, dtype, t: int, hkv: int, d: int, src_dtype=None) -> N
 
 def check_qk_norm_rope_store(device, dtype, t: int, h: int, hkv: int, d: int, factor: float,
                              norm: bool) -> None:
-    from dllm.runner.fused_qkv import qk_norm_rope, qk_norm_rope_store
+    from dllm.runner.kernels.fused_qkv import qk_norm_rope, qk_norm_rope_store
 
     rope = _rope(factor, d, device)
     table = rope.cos_sin_cache(MAX_POS)
@@ -193,7 +193,7 @@ def test_qk_norm_rope_store_equals_the_two_steps(factor, norm, t):
 
 def test_fp16_and_empty():
     check_qk_norm_rope("cuda", torch.float16, 37, 8, 2, 128, 1.0, True)
-    from dllm.runner.fused_qkv import qk_norm_rope, qk_norm_rope_store, store_kv
+    from dllm.runner.kernels.fused_qkv import qk_norm_rope, qk_norm_rope_store, store_kv
 
     rope = _rope(1.0, 128, "cuda")
     table = rope.cos_sin_cache(MAX_POS)
@@ -210,7 +210,7 @@ def test_fp16_and_empty():
 def test_cuda_graph_replay_follows_the_inputs():
     """Captured once, replayed on new qkv/positions/slots written in place: no host sync or
     host-side value in the launches."""
-    from dllm.runner.fused_qkv import qk_norm_rope, qk_norm_rope_store
+    from dllm.runner.kernels.fused_qkv import qk_norm_rope, qk_norm_rope_store
 
     h, hkv, d, t = 32, 8, 128, 4
     rope = _rope(1.0, d, "cuda")
@@ -238,7 +238,7 @@ def test_cuda_graph_replay_follows_the_inputs():
 
 
 def test_supports():
-    from dllm.runner.fused_qkv import supports, supports_store
+    from dllm.runner.kernels.fused_qkv import supports, supports_store
 
     h, hkv, d = 32, 8, 128
     qkv = torch.empty(4, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The Triton skinny GEMM (``dllm.runner.skinny_gemm``) for 1-16 rows: equals a float64
+"""The Triton skinny GEMM (``dllm.runner.kernels.skinny_gemm``) for 1-16 rows: equals a float64
 reference and ``F.linear`` within bf16 rounding, writes every output element, is bit-for-bit
 deterministic, and computes each row independently of the other rows of the batch.
 
@@ -32,7 +32,7 @@ else:
 
 @pytest.fixture(scope="module")
 def sg():
-    from dllm.runner import skinny_gemm
+    from dllm.runner.kernels import skinny_gemm
 
     return skinny_gemm
 

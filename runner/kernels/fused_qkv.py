@@ -1,5 +1,5 @@
 """Fused Triton kernels for the small per-layer steps around attention (GPU; Triton imported
-lazily by whoever imports this module, like ``dllm.runner.kernels``).
+lazily by whoever imports this module, like ``dllm.runner.layer_ops``).
 
 At batch 1 the per-layer path between the q/k/v GEMM and attention is five tiny kernels, each
 a few microseconds of mostly launch gap: q head RMSNorm, k head RMSNorm, RoPE of q and k, and

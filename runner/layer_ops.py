@@ -8,64 +8,50 @@ from a float32 cos/sin table indexed by position. Each kernel keeps float32 insi
 once, so results match the reference within the activation dtype's rounding. Dtypes
 FlashInfer has no kernel for (float32) take the reference path.
 
-``TritonOps`` adds the project's Triton kernels where Triton is installed: the q/k head norms,
-RoPE and the KV-cache write of a layer as one launch (``dllm.runner.fused_qkv``), and a
-weight-streaming GEMM for at most 16 tokens (``dllm.runner.skinny_gemm``; cuBLAS splits K
-for some of those shapes and adds a reduction kernel) that also takes the residual add +
-RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after gate/up.
-From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the output projections
-whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
-``dllm.runner.wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real
-models, whose MLP is wider than the hidden size) down stay with cuBLAS and FlashInfer's add +
-RMSNorm.
+``TritonOps`` adds the project's Triton kernels (``dllm.runner.kernels``) where Triton is
+installed: the q/k head norms, RoPE and the KV-cache write of a layer as one launch
+(``fused_qkv``), and a weight-streaming GEMM for at most 16 tokens (``skinny_gemm``; cuBLAS
+splits K for some of those shapes and adds a reduction kernel) that also takes the residual
+add + RMSNorm before the q/k/v and gate/up projections and the SiLU-and-multiply after
+gate/up. From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the output
+projections whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
+``wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real models, whose MLP
+is wider than the hidden size) down stay with cuBLAS and FlashInfer's add + RMSNorm.
 """
 
 from __future__ import annotations
-
-import os
 
 import flashinfer
 import torch
 import torch.nn.functional as F
 from flashinfer.rope import _apply_rope_pos_ids_cos_sin_cache
-from flashinfer.utils import device_support_pdl
 from torch import nn
 
 from dllm.models.layers import RotaryEmbedding
 from dllm.models.ops import LayerOps, PreNormed
+from dllm.runner.kernels.hardware import capability
+from dllm.runner.kernels.settings import KernelSettings
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic dependent launch (a kernel's prologue overlaps its predecessor's tail,
-    Hopper and newer; the skinny GEMM prefetches weights meanwhile) for every kernel the
-    runner launches: opt-in with ``DLLM_PDL=1`` (``DLLM_SKINNY_TRIGGER``, ``_PREFETCH_MB``:
-    where the skinny GEMM lets the next kernel launch, how much it prefetches). Off by
-    default because it is slower: SDAR-8B batch 1 5.42 ms a step with it against 4.96 without
-    (offline-20261130-011647 / -011730); with the launch let go once a kernel's input is
-    ready 5.49 against 4.65 ms, after the GEMM's main loop 4.66 (offline-20261130-021029,
-    -021116-pdl-trigger1, -021156-pdl-trigger2; bench/layer_chain.py has the GEMM chain
-    alone)."""
-    return device_support_pdl(device) and os.environ.get("DLLM_PDL") == "1"
-
-
-def grouped_moe_enabled(model: nn.Module, device: torch.device) -> bool:
+def grouped_moe_enabled(model: nn.Module, device: torch.device,
+                        settings: KernelSettings) -> bool:
     """MoE experts through ``StackedExperts.forward_grouped`` (static shapes, no host read, so
     CUDA graphs capture MoE models): the default for bfloat16 experts on Hopper and Blackwell
     datacenter GPUs (compute capability 9.x, 10.x: torch's ``grouped_mm`` kernels; elsewhere
     its fallback reads the group offsets on the host, which a graph capture forbids);
-    ``DLLM_MOE_GROUPED=0`` (or ``false``/``off``/``no``) keeps the per-expert loop. On an H200
+    ``settings.moe_grouped`` off (``DLLM_MOE_GROUPED=0``) keeps the per-expert loop. On an H200
     the grouped path ran LLaDA2.0-mini's eager step 4.8× (batch 1) and 29× (batch 32) faster
     than the loop (bench/NOTES.md, session 8)."""
     from dllm.models.moe import StackedExperts, grouped_mm
 
-    if os.environ.get("DLLM_MOE_GROUPED", "1").strip().lower() in ("0", "false", "off", "no"):
+    if not settings.moe_grouped:
         return False
     experts = [m for m in model.modules() if isinstance(m, StackedExperts)]
     if grouped_mm is None or not experts:
         return False
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in (9, 10):
+    if device.type != "cuda" or capability(device)[0] not in (9, 10):
         return False
     # grouped_mm's operands need 16-byte strides: hidden and expert sizes multiples of 8.
     return all(m.gate_proj.dtype == torch.bfloat16 and m.gate_proj.shape[1] % 8 == 0
@@ -73,11 +59,21 @@ def grouped_moe_enabled(model: nn.Module, device: torch.device) -> bool:
 
 
 class FlashInferOps(LayerOps):
-    name = "flashinfer"
+    """``settings``: the environment knobs, read once here when not given."""
 
-    def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
-        super().__init__(grouped_moe=grouped_moe_enabled(model, device))
-        self.pdl = pdl_enabled(device)  # decided once, not per call
+    name = "flashinfer"
+    # Programmatic dependent launch (a kernel's prologue overlaps its predecessor's tail, Hopper
+    # and newer; the skinny GEMM prefetches weights meanwhile) stays off for every kernel the
+    # runner launches, passed as False (FlashInfer's own default would turn it on): it was
+    # slower, SDAR-8B batch 1 5.42 ms a step with it against 4.96 without; with the launch let
+    # go once a kernel's input is ready 5.49 against 4.65 ms, after the GEMM's main loop 4.66
+    # (bench/NOTES.md, sessions 5 and 6; bench/layer_chain.py has the GEMM chain alone).
+    pdl = False
+
+    def __init__(self, model: nn.Module, max_positions: int, device: torch.device,
+                 settings: KernelSettings | None = None):
+        self.settings = settings if settings is not None else KernelSettings.from_env()
+        super().__init__(grouped_moe=grouped_moe_enabled(model, device, self.settings))
         # One cos/sin table per distinct rotary spec (every layer of a model shares one).
         self.cos_sin: dict[object, torch.Tensor] = {}
         for m in model.modules():
@@ -127,17 +123,18 @@ class FlashInferOps(LayerOps):
 class TritonOps(FlashInferOps):
     name = "triton"
 
-    def __init__(self, model: nn.Module, max_positions: int, device: torch.device):
-        super().__init__(model, max_positions, device)
-        from dllm.runner import fused_qkv, skinny_gemm, wide_gemm
+    def __init__(self, model: nn.Module, max_positions: int, device: torch.device,
+                 settings: KernelSettings | None = None):
+        super().__init__(model, max_positions, device, settings)
+        from dllm.runner.kernels import fused_qkv, skinny_gemm, wide_gemm
 
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
         self._wide = wide_gemm
         # The residual steps in the skinny and wide GEMMs' epilogues (``linear_residual``);
-        # ``DLLM_FUSE_RESIDUAL=0`` keeps them as separate add + RMSNorm kernels (A/B runs; the
-        # wide gate/up keeps SiLU-and-mul in its epilogue either way).
-        self.fuse_residual = os.environ.get("DLLM_FUSE_RESIDUAL", "1") != "0"
+        # ``settings.fuse_residual`` off keeps them as separate add + RMSNorm kernels (the wide
+        # gate/up keeps SiLU-and-mul in its epilogue either way).
+        self.fuse_residual = self.settings.fuse_residual
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         weight, bias = layer.weight, getattr(layer, "bias", None)
@@ -155,7 +152,7 @@ class TritonOps(FlashInferOps):
     def norm_gate_up(self, x, residual, weight, eps, gate_up):
         w, b = gate_up.weight, getattr(gate_up, "bias", None)
         if self._takes(x, weight, w, b) and w.shape[0] % 2 == 0:
-            fused = self._gemm.silu_fused(*w.shape)  # else a separate SiLU kernel is faster
+            fused = self._gemm.silu_fused(*w.shape, w.device)  # else a separate SiLU kernel is faster
             y = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, silu=fused,
                                          pdl=self.pdl)
             return (y if fused else self.silu_and_mul(y)), x.stream
