@@ -5,13 +5,10 @@ attends under the batch's mask. Models never branch on the backend or the hardwa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from dllm.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,21 @@ class AttentionLayer:
     scaling: float
 
 
+class AttentionBackendLike(Protocol):
+    """The attention a model calls: writes the layer's K/V to the cache and attends."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer: AttentionLayer, batch: Any) -> torch.Tensor: ...
+
+
+class Batch(Protocol):
+    """What a model reads of the batch it runs on (the runner's ``ForwardBatch`` is one): the
+    attention backend, and a memo the layers of one forward share (e.g. RoPE tables)."""
+
+    attn_backend: AttentionBackendLike
+    memo: dict
+
+
 class Attention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float | None = None):
@@ -46,7 +58,7 @@ class Attention(nn.Module):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: Batch) -> torch.Tensor:
         """q ``[T, H*D]``, k/v ``[T, Hkv*D]`` → ``[T, H*D]``. k and v None: the layer wrote
         them to the KV cache already (``LayerOps.qkv_rope``)."""
         s = self.spec

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from dllm.models.attention import Attention, KVCacheSpec
+from dllm.models.attention import Attention, Batch, KVCacheSpec
 from dllm.models.config import ModelConfig
 from dllm.models.layers import (
     LMHead,
@@ -29,9 +28,6 @@ from dllm.models.layers import (
 from dllm.models.moe import StackedExperts
 from dllm.models.ops import PreNormed, QKVAttention, UsesOps
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
-
-if TYPE_CHECKING:
-    from dllm.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -122,7 +118,7 @@ class SelfAttention(UsesOps, nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: Batch) -> torch.Tensor:
         if self.qkv_proj is None:  # before ``fuse``: one GEMM each
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         else:
@@ -131,7 +127,7 @@ class SelfAttention(UsesOps, nn.Module):
 
     def forward_normed(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
                        residual: torch.Tensor | None, norm: RMSNorm,
-                       forward_batch: ForwardBatch, next_norm: RMSNorm | None = None
+                       forward_batch: Batch, next_norm: RMSNorm | None = None
                        ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
         """This attention with the decoder's residual steps around it, so that the layer ops
         may fuse them into its projections (see ``SwiGLUMLP.forward_normed``)."""
@@ -143,7 +139,7 @@ class SelfAttention(UsesOps, nn.Module):
 
 
 def attend_qkv(attn: QKVAttention, qkv: torch.Tensor, positions: torch.Tensor,
-               forward_batch: ForwardBatch) -> torch.Tensor:
+               forward_batch: Batch) -> torch.Tensor:
     """From a fused q/k/v projection to the attention output (before the output projection):
     q/k norms and RoPE (``LayerOps.qkv_rope``), then attention."""
     # q [T, H, D], k/v [T, Hkv, D]; k and v None when the ops wrote them to the KV cache.
@@ -153,7 +149,7 @@ def attend_qkv(attn: QKVAttention, qkv: torch.Tensor, positions: torch.Tensor,
 
 def normed_attention(attn: QKVAttention, qkv_proj: nn.Module, out_proj: nn.Module,
                      positions: torch.Tensor, x: torch.Tensor | PreNormed,
-                     residual: torch.Tensor | None, norm: RMSNorm, forward_batch: ForwardBatch,
+                     residual: torch.Tensor | None, norm: RMSNorm, forward_batch: Batch,
                      next_norm: RMSNorm | None
                      ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
     """``forward_normed`` of an attention module with one fused q/k/v projection."""
@@ -177,7 +173,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
-                residual: torch.Tensor | None, forward_batch: ForwardBatch,
+                residual: torch.Tensor | None, forward_batch: Batch,
                 next_norm: RMSNorm | None = None
                 ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
         """``x`` is the previous layer's MLP output and ``residual`` the stream before it
@@ -219,7 +215,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: Batch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         residual = None
         layers = self.layers
@@ -255,7 +251,7 @@ class DecoderLM(UsesOps, nn.Module):
         return (SKIP_ROTARY, *tied, *self.checkpoint_rules)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: Batch) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` → final-norm hidden states ``[T, hidden]``."""
         return self.model(input_ids, positions, forward_batch)
 

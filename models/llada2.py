@@ -14,13 +14,11 @@ choice only, group-limited top-k (``n_group``/``topk_group``), weights normalise
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.models.attention import Attention
+from dllm.models.attention import Attention, Batch
 from dllm.models.config import ModelConfig
 from dllm.models.decoder import (
     AttentionSpec,
@@ -39,9 +37,6 @@ from dllm.models.layers import (
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
 from dllm.models.ops import PreNormed, UsesOps
 from dllm.models.weights import STACK_EXPERTS, WeightRule
-
-if TYPE_CHECKING:
-    from dllm.runner.forward_batch import ForwardBatch
 
 
 class FusedQKVAttention(UsesOps, nn.Module):
@@ -63,13 +58,13 @@ class FusedQKVAttention(UsesOps, nn.Module):
         return self.query_layernorm.weight, self.key_layernorm.weight
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: Batch) -> torch.Tensor:
         qkv = self.ops.linear(x, self.query_key_value)
         return self.ops.linear(attend_qkv(self, qkv, positions, forward_batch), self.dense)
 
     def forward_normed(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
                        residual: torch.Tensor | None, norm: RMSNorm,
-                       forward_batch: ForwardBatch, next_norm: RMSNorm | None = None
+                       forward_batch: Batch, next_norm: RMSNorm | None = None
                        ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
         """As ``SelfAttention.forward_normed``: the residual steps ride with the projections."""
         return normed_attention(self, self.query_key_value, self.dense, positions, x, residual,

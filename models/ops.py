@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from dllm.models.attention import Attention
+    from dllm.models.attention import Attention, Batch
     from dllm.models.decoder import AttentionSpec
     from dllm.models.layers import RotaryEmbedding
     from dllm.models.moe import StackedExperts
-    from dllm.runner.forward_batch import ForwardBatch
 
 
 class QKVAttention(Protocol):
@@ -94,7 +93,7 @@ class LayerOps:
         return F.silu(gate) * up
 
     def qkv_rope(self, attn: QKVAttention, qkv: torch.Tensor, positions: torch.Tensor,
-                 forward_batch: ForwardBatch
+                 forward_batch: Batch
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """From the fused q/k/v projection ``[T, (H + 2·Hkv)·D]`` of ``attn`` to attention's
         inputs: q ``[T, H, D]`` and k ``[T, Hkv, D]`` after the per-head norms (where the
