@@ -71,10 +71,10 @@ class Engine:
                                                       self.requests.make_embed_request)
         self.tokenize, self.apply_chat_template = (self.requests.tokenize,
                                                    self.requests.apply_chat_template)
-        self.overlap = (cfg.overlap_schedule if cfg.overlap_schedule is not None
-                        else self.device.type == "cuda")
         self.isolation = Isolation(self.runner, self.scheduler, self.req_pool)
-        self.pipeline = OverlapPipeline(self.isolation, self.overlap)
+        self.pipeline = OverlapPipeline(self.isolation, cfg.overlap_schedule
+                                        if cfg.overlap_schedule is not None
+                                        else self.device.type == "cuda")
 
     # ---- setup -------------------------------------------------------------------------
     def _resolve_task(self, path: str) -> str:
@@ -155,6 +155,15 @@ class Engine:
     @property
     def _pending(self) -> list:
         return self.pipeline.pending
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps run under the overlap schedule (settable between steps)."""
+        return self.pipeline.enabled
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        self.pipeline.enabled = value
 
     def idle_step(self) -> None:
         """An ``IDLE`` forward: nothing scheduled on this rank, but a step must be taken (a

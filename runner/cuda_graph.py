@@ -202,7 +202,7 @@ class CudaGraphRunner(Runner):
             list(batch.positions), list(batch.prefix_lens), list(batch.extend_lens),
             list(batch.seq_lens), batch.attention_mask, batch.block_size, batch.block_offset,
             batch.logits_mode, row_groups=list(batch.row_groups),
-            table_version=batch.table_version, carry=batch.carry,
+            table_version=batch.table_version, carry=batch.carry, kind=batch.kind,
         )
         for i in range(n):
             out.add_row(f"<pad{i}>", 0, [0] * t, 0)

@@ -128,7 +128,6 @@ class ScheduledBatch:
     The runner copies all of them into its static input registry."""
 
     mode: ForwardMode
-    kind: StepKind = StepKind.PREFILL
     rids: list[str] = field(default_factory=list)
     req_pool_indices: list[int] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
@@ -158,6 +157,8 @@ class ScheduledBatch:
     # the block each row denoises).
     row_reqs: list = field(default_factory=list)
     row_state: list = field(default_factory=list)
+    # What the forward is for: its post-step, and how the scheduler applies its result.
+    kind: StepKind = StepKind.PREFILL
 
     @property
     def batch_size(self) -> int:
