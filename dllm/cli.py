@@ -8,50 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from dllm.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The ``EngineConfig`` fields as flags (shared by every subcommand that loads a model)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="local checkpoint directory (default: the built-in model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    g.add_argument("--algorithm", default=None,
-                   help="default unmasking algorithm (e.g. low_confidence_dynamic, threshold)")
-    g.add_argument("--algorithm-config", type=json.loads, default={},
-                   help='algorithm settings as JSON, e.g. \'{"threshold": 0.9}\'')
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--mask-token-id", type=int, default=None)
-    g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-kv-pages", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    g.add_argument("--max-prefill-tokens", type=int, default=4096)
-    g.add_argument("--context-length", type=int, default=None)
-    g.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--task", default="auto", choices=("auto", "generate", "embed"))
-    g.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
-    g.add_argument("--disable-cuda-graph", action="store_true")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest batch size captured (default: --max-running-requests, "
-                        "at most 256)")
-    g.add_argument("--cuda-graph-bs", dest="cuda_graph_batch_sizes", type=int, nargs="+",
-                   default=None, help="the batch sizes to capture (default: buckets 1, 2, 4, "
-                                      "8, 12, 16, 24, 32, … up to --cuda-graph-max-bs)")
-    g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const",
-                   const=False, default=None,
-                   help="read each step's result before queueing the next (default on CUDA: "
-                        "the host builds the next step while the device runs this one)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    fields = EngineConfig.field_names()
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+from dllm.cli_args import add_engine_args
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dllm.cli import engine_config_from_args
+from dllm.cli_args import engine_config_from_args
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 

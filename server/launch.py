@@ -33,13 +33,13 @@ def run_server(config: ServerConfig) -> int:
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    from dllm.cli import engine_config_from_args
+    from dllm.cli_args import engine_config_from_args
 
     return run_server(server_config_from_args(args, engine_config_from_args(args)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dllm.cli import add_engine_args
+    from dllm.cli_args import add_engine_args
     from dllm.server.args import add_server_args
 
     parser = argparse.ArgumentParser(prog="python -m dllm.server",
