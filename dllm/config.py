@@ -72,7 +72,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "choices": sorted(DTYPES), "help": "auto: bfloat16 on CUDA, float32 elsewhere"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
-    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS,
+        "help": "auto: FlashInfer on CUDA when it is installed, else SDPA"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer directory (default: --model)"})
