@@ -11,6 +11,7 @@ in a scratch directory as a regular install does and runs ``lint-imports`` there
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +37,9 @@ def lay_out(repo: Path, dest: Path) -> None:
 
 def main(argv: list[str]) -> int:
     repo = Path(argv[0] if argv else Path(__file__).resolve().parents[1]).resolve()
-    lint_imports = shutil.which("lint-imports")
+    # The one installed beside this Python first, so an unactivated venv works too.
+    lint_imports = shutil.which("lint-imports", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if lint_imports is None:
         print("lint-imports is not installed (pip install -e '.[dev]')", file=sys.stderr)
         return 1
