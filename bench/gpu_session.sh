@@ -76,7 +76,7 @@ if [ -n "${ONLINE_MODEL:-}" ]; then  # e.g. ONLINE_MODEL=sdar-8b ONLINE_ARGS="--
     .whl-server/*.whl || exit 1
   ckpt=$(python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench/engine'); \
 from offline import checkpoint_dir; print(checkpoint_dir('$ONLINE_MODEL', Path('/tmp/ckpt')))")
-  python3 -m dllm.cli serve --model "$ckpt" --load-format dummy --port 8000 \
+  python3 -m dllm.server.cli serve --model "$ckpt" --load-format dummy --port 8000 \
     --context-length 4096 --max-running-requests "${ONLINE_MAX_RUNNING:-64}" \
     > "$OUT/server.log" 2>&1 &
   server=$!

@@ -38,7 +38,7 @@ def prompt_messages(history: list[dict[str, str]], system: str | None,
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from dllm.cli import engine_config_from_args
+    from dllm.cli_args import engine_config_from_args
     from dllm.llm import LLM
     from dllm.sampling_params import SamplingParams
 

@@ -43,29 +43,61 @@ class EngineConfig:
         sentence-transformers layout, else ``generate``).
     """
 
-    model: str | None = None
-    algorithm: str | None = None
-    algorithm_config: dict[str, Any] = field(default_factory=dict)
-    block_size: int | None = None
-    mask_token_id: int | None = None
-    max_running_requests: int = 64
-    page_size: int = 16
-    num_kv_pages: int | None = None
-    kv_cache_memory_gb: float | None = None
-    max_prefill_tokens: int = 4096
-    context_length: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    seed: int = 0
-    tokenizer: str | None = None
-    task: str = "auto"
-    load_format: str = "safetensors"
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    served_model_name: str | None = None
-    overlap_schedule: bool | None = None
+    # Each field is also a command-line flag (``dllm.cli_args``): ``--field-name`` unless
+    # ``flag`` names it, its type read from the annotation, its default from here, and
+    # ``help``/``choices`` from the metadata; a bool field is a switch storing ``const``
+    # (default ``True``).
+    model: str | None = field(default=None, metadata={
+        "help": "local checkpoint directory (default: the built-in model)"})
+    algorithm: str | None = field(default=None, metadata={
+        "help": "default unmasking algorithm (e.g. low_confidence_dynamic, threshold)"})
+    algorithm_config: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": 'algorithm settings as JSON, e.g. \'{"threshold": 0.9}\''})
+    block_size: int | None = field(default=None, metadata={
+        "help": "override the checkpoint's block size"})
+    mask_token_id: int | None = field(default=None, metadata={
+        "help": "override the checkpoint's mask token id"})
+    max_running_requests: int = field(default=64, metadata={
+        "help": "requests admitted at once (rows of a denoise batch)"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV-cache page"})
+    num_kv_pages: int | None = field(default=None, metadata={
+        "help": "KV-cache pages (default: as many as --kv-cache-memory-gb holds, or enough "
+                "for every admitted request at full context, if less)"})
+    kv_cache_memory_gb: float | None = field(default=None, metadata={
+        "help": "KV-cache budget in GiB when --num-kv-pages is not given"})
+    max_prefill_tokens: int = field(default=4096, metadata={
+        "help": "token budget of one prefill forward; longer prompts are chunked"})
+    context_length: int | None = field(default=None, metadata={
+        "help": "longest prompt + output (default: the model's)"})
+    dtype: str = field(default="auto", metadata={
+        "choices": sorted(DTYPES), "help": "auto: bfloat16 on CUDA, float32 elsewhere"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS,
+        "help": "auto: FlashInfer on CUDA when it is installed, else SDPA"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer directory (default: --model)"})
+    task: str = field(default="auto", metadata={
+        "choices": TASKS, "help": "embed: pooled embeddings; auto: embed for a "
+                                  "sentence-transformers layout, else generate"})
+    load_format: str = field(default="safetensors", metadata={
+        "choices": ("safetensors", "dummy"),
+        "help": "dummy: random weights of the checkpoint's shapes, for benchmarks"})
+    disable_cuda_graph: bool = field(default=False, metadata={
+        "help": "capture no CUDA graphs (the steps run eagerly, to the same tokens)"})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={
+        "help": "largest batch size captured (default: --max-running-requests, at most 256)"})
+    cuda_graph_batch_sizes: tuple[int, ...] | None = field(default=None, metadata={
+        "flag": "--cuda-graph-bs",
+        "help": "the batch sizes to capture (default: buckets 1, 2, 4, 8, 12, 16, 24, 32, … "
+                "up to --cuda-graph-max-bs)"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the model name the API reports (default: the checkpoint folder's name)"})
+    overlap_schedule: bool | None = field(default=None, metadata={
+        "flag": "--disable-overlap-schedule", "const": False,
+        "help": "read each step's result before queueing the next (default on CUDA: the host "
+                "builds the next step while the device runs this one)"})
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens"):

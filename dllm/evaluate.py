@@ -100,7 +100,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from dllm.cli import engine_config_from_args
+    from dllm.cli_args import engine_config_from_args
     from dllm.llm import LLM
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]

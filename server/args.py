@@ -1,5 +1,5 @@
 """The server's own flags and config (light: no FastAPI import, so ``dllm --help`` stays fast).
-The engine flags are ``dllm.cli.add_engine_args``."""
+The engine flags are ``dllm.cli_args.add_engine_args``."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ import sys
 import uvicorn
 
 from dllm.checkpoint import resolve_model_path
+from dllm.cli_args import add_engine_args, engine_config_from_args
 from dllm.server.app import build_app
-from dllm.server.args import ServerConfig, server_config_from_args
+from dllm.server.args import ServerConfig, add_server_args, server_config_from_args
 
 
 def run_server(config: ServerConfig) -> int:
@@ -33,15 +34,10 @@ def run_server(config: ServerConfig) -> int:
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    from dllm.cli import engine_config_from_args
-
     return run_server(server_config_from_args(args, engine_config_from_args(args)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dllm.cli import add_engine_args
-    from dllm.server.args import add_server_args
-
     parser = argparse.ArgumentParser(prog="python -m dllm.server",
                                      description="Serve a diffusion language model over HTTP.")
     add_engine_args(parser)

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from dllm import LLM, SamplingParams, tasks
 from dllm.checkpoint import BUILTIN_MODEL_DIR
-from dllm.cli import main as cli_main
 from dllm.models.loader import load_model
+from dllm.server.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXED = [

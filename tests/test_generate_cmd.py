@@ -1,5 +1,5 @@
 """``dllm generate``: JSONL in the OpenAI batch shape, bad lines, resume, and one prompt on the
-terminal (run through ``dllm.cli.main`` in-process, on the tiny SDAR checkpoint)."""
+terminal (run through ``dllm.server.cli.main`` in-process, on the tiny SDAR checkpoint)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm.cli import main
-from dllm.generate_cmd import parse_line
+from dllm.server.cli import main
+from dllm.server.generate_cmd import parse_line
 
 MALFORMED_LINE = 17  # 1-based
 

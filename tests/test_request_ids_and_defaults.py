@@ -56,8 +56,9 @@ def test_server_default_max_tokens_is_known_before_the_layout(tmp_path):
 def test_cuda_graph_batch_sizes_flag_and_validation():
     """``--cuda-graph-bs`` reaches the engine config sorted and without repeats; a size that
     is not a positive integer is refused with a clear error."""
-    from dllm.cli import build_parser, engine_config_from_args
+    from dllm.cli_args import engine_config_from_args
     from dllm.config import EngineConfig
+    from dllm.server.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--cuda-graph-bs", "8", "1", "4", "4"])
     assert engine_config_from_args(args).cuda_graph_batch_sizes == (1, 4, 8)

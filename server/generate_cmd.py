@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dllm.cli import engine_config_from_args
+from dllm.cli_args import engine_config_from_args
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
@@ -43,6 +43,23 @@ class Job:
     url: str | None = None
     body: dict[str, Any] | None = None
     error: dict[str, str] | None = None
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="a prompt to complete (streamed to the terminal)")
+    p.add_argument("--input", help="JSONL input: {prompt}, {messages} or OpenAI batch lines")
+    p.add_argument("--output", help="JSONL output in the OpenAI batch output shape (appended; "
+                                    "custom_ids already there are skipped)")
+    p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
+    g = p.add_argument_group("sampling (defaults for input lines that do not set them)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: 128, capped by the context length")
+    g.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--dllm", type=json.loads, default=None,
+                   help='per-request diffusion settings as JSON, e.g. \'{"threshold": 0.9}\'')
 
 
 def run_generate(args: argparse.Namespace) -> int:
