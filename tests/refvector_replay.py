@@ -16,11 +16,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file
-
 from dllm import LLM, SamplingParams
 from dllm.testing import make_tiny_checkpoint
+from dllm.testing.factory import weights_digest
 
 DATA = Path(__file__).parent / "data" / "refvectors"
 
@@ -36,22 +34,6 @@ def load_vectors(prefix: str) -> list[dict[str, Any]]:
 
 def vector_ids(vectors: list[dict[str, Any]]) -> list[str]:
     return [v["name"] for v in vectors]
-
-
-def weights_digest(path: str | Path) -> str:
-    """The digest ``scripts/refvectors/common.py`` records (same rule, written here again so
-    the tests do not import the scripts)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 _ROOT: list[Path] = []
@@ -114,3 +96,18 @@ def check_outputs(outs: list, replay: Replay, name: str) -> None:
         got = list(out.token_ids)
         assert got == want, (f"{name} row {row}: {first_difference(got, want)}\n"
                              f"got       {got}\nreference {want}")
+
+
+def run_together(vector: dict[str, Any], replay: Replay) -> list:
+    """The vector's rows in one ``generate`` call."""
+    return get_llm(vector, replay.engine_args).generate(replay.prompts, replay.params)
+
+
+def run_between(vector: dict[str, Any], replay: Replay, other_prompt: list[int],
+                other_params: SamplingParams) -> list:
+    """The vector's rows in one batch between two copies of an unrelated request; the
+    vector's outputs only."""
+    llm = get_llm(vector, replay.engine_args)
+    outs = llm.generate([other_prompt, *replay.prompts, other_prompt],
+                        [other_params, *replay.params, other_params])
+    return outs[1:-1]

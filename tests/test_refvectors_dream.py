@@ -22,7 +22,14 @@ from typing import Any
 import pytest
 
 from dllm import SamplingParams
-from tests.refvector_replay import Replay, check_outputs, get_llm, load_vectors, vector_ids
+from tests.refvector_replay import (
+    Replay,
+    check_outputs,
+    load_vectors,
+    run_between,
+    run_together,
+    vector_ids,
+)
 
 VECTORS = load_vectors("dream_")
 BY_NAME = {v["name"]: v for v in VECTORS}
@@ -107,8 +114,7 @@ OTHER_PARAMS = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=Tru
 @cache
 def run_alone(name: str) -> list:
     vector = BY_NAME[name]
-    replay = replay_of(vector)
-    return get_llm(vector, replay.engine_args).generate(replay.prompts, replay.params)
+    return run_together(vector, replay_of(vector))
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=vector_ids(VECTORS))
@@ -119,10 +125,8 @@ def test_tokens_alone(vector: dict[str, Any]) -> None:
 @pytest.mark.parametrize("vector", VECTORS, ids=vector_ids(VECTORS))
 def test_tokens_batched(vector: dict[str, Any]) -> None:
     replay = replay_of(vector)
-    llm = get_llm(vector, replay.engine_args)
-    outs = llm.generate([OTHER_PROMPT, *replay.prompts, OTHER_PROMPT],
-                        [OTHER_PARAMS, *replay.params, OTHER_PARAMS])
-    check_outputs(outs[1:-1], replay, vector["name"])
+    check_outputs(run_between(vector, replay, OTHER_PROMPT, OTHER_PARAMS), replay,
+                  vector["name"])
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=vector_ids(VECTORS))

@@ -31,7 +31,14 @@ from typing import Any
 import pytest
 
 from dllm import SamplingParams
-from tests.refvector_replay import Replay, check_outputs, get_llm, load_vectors, vector_ids
+from tests.refvector_replay import (
+    Replay,
+    check_outputs,
+    get_llm,
+    load_vectors,
+    run_between,
+    vector_ids,
+)
 
 VECTORS = load_vectors("sdar_")
 BY_NAME = {v["name"]: v for v in VECTORS}
@@ -151,10 +158,8 @@ def test_tokens_alone(vector: dict[str, Any]) -> None:
 def test_tokens_batched(vector: dict[str, Any]) -> None:
     """All rows in one batch, between two unrelated requests."""
     replay = replay_of(vector)
-    llm = get_llm(vector, replay.engine_args)
-    outs = llm.generate([OTHER_PROMPT, *replay.prompts, OTHER_PROMPT],
-                        [OTHER_PARAMS, *replay.params, OTHER_PARAMS])
-    check_outputs(outs[1:-1], replay, vector["name"])
+    check_outputs(run_between(vector, replay, OTHER_PROMPT, OTHER_PARAMS), replay,
+                  vector["name"])
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=vector_ids(VECTORS))

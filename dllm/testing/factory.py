@@ -16,6 +16,7 @@ log-normal norms, so the max probability over random contexts spreads over (0, 1
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from dllm.testing.families import RELEASES, Tok, TokenizerSpec, chat_template
@@ -324,6 +325,22 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
+
+
+def weights_digest(path: str | Path) -> str:
+    """sha256 over a checkpoint's tensors (sorted names, dtype, shape, bytes): the reference
+    vectors record it, so a test notices when the factory's weights change."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def supported_architectures() -> list[str]:

@@ -11,7 +11,6 @@ Nothing of the reference code is copied here; only the ids it produced are commi
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -25,9 +24,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
-from dllm.testing.factory import make_tiny_checkpoint  # noqa: E402
+from dllm.testing.factory import make_tiny_checkpoint, weights_digest  # noqa: E402
 
 FORMAT_VERSION = 1
 
@@ -41,21 +39,6 @@ def parse_args(description: str) -> argparse.Namespace:
                    help="scratch folder for the tiny checkpoints")
     p.add_argument("--only", default=None, help="run only the cases whose name contains this")
     return p.parse_args()
-
-
-def weights_digest(path: str | Path) -> str:
-    """sha256 over the checkpoint's tensors (sorted names, dtype, shape, bytes)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def build_checkpoint(architecture: str, path: str | Path, seed: int = 0,
