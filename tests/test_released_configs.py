@@ -151,14 +151,13 @@ def test_released_chat_template_renders(tiny) -> None:
         assert tok.chat_template == released
 
 
-def _shrunk(arch: str, tiny_path: Path, out: Path) -> Path:
-    """The released config.json with the tiny sizes, beside the tiny tokenizer."""
-    config = _released(arch, "config.json")
+def _shrunk_file(config_path: Path, tiny_path: Path, out: Path) -> Path:
+    """A released ``config.json`` with the tiny checkpoint's sizes and special ids, beside the
+    tiny checkpoint's tokenizer."""
+    config = _json(config_path)
     tiny_config = _json(tiny_path / "config.json")
-    for key in SIZE_KEYS & set(config):
-        config[key] = tiny_config[key]
-    for key in ID_KEYS & set(config):
-        config[key] = tiny_config[key]
+    for key in (SIZE_KEYS | ID_KEYS) & set(config):
+        config[key] = tiny_config.get(key, config[key])
     out.mkdir()
     for f in tiny_path.iterdir():
         if f.name != "config.json" and not f.name.endswith(".safetensors"):
@@ -167,10 +166,24 @@ def _shrunk(arch: str, tiny_path: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.parametrize("folder", sorted(p.parent.name for p in DATA.glob("*/config.json")))
+def test_every_kept_config_loads(folder: str, tmp_path: Path) -> None:
+    """Every config.json kept here (the dFactory training variants and SDAR-8B too) loads with
+    random weights once shrunk, and generates."""
+    path = DATA / folder / "config.json"
+    arch = _json(path)["architectures"][0]
+    tiny_path = make_tiny_checkpoint(arch, tmp_path / "tiny")
+    llm = LLM(str(_shrunk_file(path, tiny_path, tmp_path / "ckpt")), load_format="dummy",
+              device="cpu", max_running_requests=2)
+    out = llm.generate([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
 def test_released_config_loads_and_generates(tiny, tmp_path: Path) -> None:
     arch, path = tiny
-    llm = LLM(str(_shrunk(arch, path, tmp_path / "ckpt")), load_format="dummy", device="cpu",
-              max_running_requests=2)
+    released = DATA / RELEASES[arch].data_dir / "config.json"
+    llm = LLM(str(_shrunk_file(released, path, tmp_path / "ckpt")), load_format="dummy",
+              device="cpu", max_running_requests=2)
     out = llm.chat([{"role": "user", "content": "hi"}],
                    SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
