@@ -32,3 +32,9 @@ def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'dllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's own names and the lazily imported public ones (so ``dir(dllm)`` and
+    tab completion list them before first use)."""
+    return sorted(set(globals()) | set(__all__))

@@ -49,7 +49,13 @@ def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            obj = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} is not a JSON object (got {type(obj).__name__})")
+    return obj
 
 
 def _as_tuple(v: Any) -> tuple[int, ...]:
@@ -93,7 +99,13 @@ def load_model_info(engine: EngineConfig, tokenizer) -> ModelInfo:
     if not archs:
         raise ValueError(f"{path}/config.json has no 'architectures' entry")
     spec = get_architecture(archs[0])
-    vocab_size = int(config["vocab_size"])
+    try:
+        vocab_size = int(config["vocab_size"])
+    except KeyError:
+        raise ValueError(f"{path}/config.json has no 'vocab_size' entry") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}/config.json: 'vocab_size' must be an integer, got "
+                         f"{config['vocab_size']!r}") from None
     gen = _read_json(os.path.join(path, "generation_config.json"))
     is_diffusion = spec.kind != "causal_lm"
     mask_id = resolve_mask_token_id(engine.mask_token_id, config, tokenizer, spec,

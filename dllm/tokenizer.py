@@ -28,11 +28,40 @@ def _tokenizer_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(file):
         return {}
     with open(file, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            obj = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+# Files that hold a vocabulary, one of which a tokenizer directory needs (besides the
+# tokenizer_config.json that names its class): the fast tokenizer's file first.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Raise a one-line ``ValueError`` naming the missing files when ``path`` holds no
+    tokenizer (transformers would instead say that it does not recognize the architecture, or
+    ask for a library that would not help)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer directory {path} "
+                         f"{'is not a directory' if os.path.exists(path) else 'does not exist'}")
+    names = os.listdir(path)
+    if any(n in VOCABULARY_FILES or n.endswith(".tiktoken") for n in names):
+        return
+    missing = ["tokenizer.json"] + ([] if "tokenizer_config.json" in names
+                                    else ["tokenizer_config.json"])
+    raise ValueError(f"{path} has no tokenizer: missing {' and '.join(missing)} (nor any other "
+                     f"vocabulary file: {', '.join(VOCABULARY_FILES[1:])}); copy the "
+                     "checkpoint's tokenizer files there, or give a tokenizer directory "
+                     "(--tokenizer DIR; the engine argument tokenizer)")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of the checkpoint (or tokenizer directory) ``path``, offline."""
+    check_tokenizer_files(path)
     name = _tokenizer_config(path).get("tokenizer_class")
     if name in EQUIVALENT_CLASSES:
         cls = getattr(transformers, EQUIVALENT_CLASSES[name])

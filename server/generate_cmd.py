@@ -15,7 +15,8 @@ and flushed as soon as it finishes, so the output is in completion order (match 
 ``custom_id``) and an interrupted run loses only what was in flight. The output file is
 appended to, and a re-run skips every ``custom_id`` already in it, failures included (delete
 a line to retry it). A bad line (malformed JSON, bad fields, too long) gets its own output line
-with ``error`` set, and the others go on."""
+with ``error`` set, and the others go on; a line repeating an earlier ``custom_id`` is one
+such, under its own ``line-N`` id (so it cannot be mistaken for the first line's result)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ValueError("give either a prompt or --input/--output, not both")
         if not os.path.isfile(args.input):
             raise FileNotFoundError(f"no such input file: {args.input}")
+        if os.path.isdir(args.output):
+            raise ValueError(f"--output {args.output} is a directory; give the path of a "
+                             "JSONL file (created, or appended to)")
+        parent = os.path.dirname(args.output) or "."
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"--output {args.output}: no such directory: {parent}")
     elif not args.prompt:
         raise ValueError("give a prompt, or --input FILE --output FILE")
 
@@ -168,10 +175,16 @@ def read_jobs(path: str) -> list[Job]:
             if not raw.strip():
                 continue
             job = parse_line(raw, n)
-            if job.error is None and job.custom_id in first_line:
-                job = _bad(n, job.custom_id, "duplicate_custom_id",
-                           f"custom_id {job.custom_id[:100]!r} is already used on line "
-                           f"{first_line[job.custom_id]}")
+            if job.custom_id in first_line:
+                # The error line must not carry the repeated id, or it could not be told from
+                # the first line's result: it gets this line's own ``line-N`` id.
+                cid = f"line-{n}"
+                while cid in first_line:  # an earlier line chose "line-N" as its custom_id
+                    cid += "-duplicate"
+                job = _bad(n, cid, "duplicate_custom_id",
+                           f"line {n} repeats custom_id {job.custom_id[:100]!r} of line "
+                           f"{first_line[job.custom_id]}; this line did not run (give it a "
+                           "custom_id of its own)")
             first_line.setdefault(job.custom_id, n)
             jobs.append(job)
     return jobs

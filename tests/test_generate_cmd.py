@@ -120,10 +120,12 @@ def test_bad_lines_are_reported_and_the_rest_go_on(sdar_dir, tmp_path):
         assert r["error"]["code"]
     for cid in ("bad-url", "no-body", "line-9", "line-10"):
         assert rows[cid]["response"] is None and rows[cid]["error"]["message"], cid
-    # The duplicate custom_id is reported without replacing the first result.
+    # The duplicate custom_id is reported under its line's own id, not the repeated one.
     assert len(read_out(out)) == 12
-    dup = [r for r in read_out(out) if r["custom_id"] == "good" and r["error"]]
-    assert dup[0]["error"]["code"] == "duplicate_custom_id"
+    assert [r["custom_id"] for r in read_out(out)].count("good") == 1
+    dup = rows["line-11"]
+    assert dup["error"]["code"] == "duplicate_custom_id" and dup["response"] is None
+    assert "'good'" in dup["error"]["message"] and "line 1" in dup["error"]["message"]
     assert "too-long" in rows and "context length" in rows["too-long"]["error"]["message"]
 
 

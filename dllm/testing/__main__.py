@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from dllm.testing.factory import make_tiny_checkpoint, supported_architectures
@@ -20,6 +21,11 @@ def _override(text: str) -> tuple[str, object]:
         return key, value
 
 
+def _fail(message: str) -> int:
+    print(f"python -m dllm.testing: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dllm.testing",
                                      description="Write a tiny random checkpoint.")
@@ -31,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", type=_override, metavar="KEY=JSON",
                         help="config.json overrides, e.g. num_hidden_layers=3")
     args = parser.parse_intermixed_args(argv)
-    path = make_tiny_checkpoint(args.architecture, args.path, seed=args.seed, shards=args.shards,
-                                dtype=args.dtype, **dict(args.overrides))
+    if os.path.exists(args.path) and not os.path.isdir(args.path):
+        return _fail(f"{args.path} is an existing file, not a directory; give a directory "
+                     "path (created if missing)")
+    try:
+        path = make_tiny_checkpoint(args.architecture, args.path, seed=args.seed,
+                                    shards=args.shards, dtype=args.dtype, **dict(args.overrides))
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
     print(path)
     return 0
 

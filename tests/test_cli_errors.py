@@ -1,0 +1,139 @@
+"""A newcomer's mistakes, through the real commands: each is refused with a non-zero exit and
+exactly one line on stderr that names the thing to fix (no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dllm.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+_SCRIPT = Path(sys.executable).with_name("dllm")  # the console script, where it is installed
+DLLM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "dllm.server.cli"]
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def copy_checkpoint(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---- packaging and the package ------------------------------------------------------------
+def test_license_is_apache_2_and_packaged():
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX" in text
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+
+
+def test_dir_lists_the_lazy_public_names(tmp_path):
+    code = ("import sys, dllm; names = dir(dllm); "
+            "print(all(n in names for n in dllm.__all__), 'dllm.llm' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, check=True)
+    assert proc.stdout.split() == ["True", "False"]  # listed, and still not imported
+    import dllm
+
+    assert {"LLM", "AsyncLLM", "SamplingParams", "EngineConfig", "RequestOutput",
+            "StreamChunk"} <= set(dir(dllm))
+    assert "__version__" in dir(dllm)
+
+
+# ---- a broken checkpoint ------------------------------------------------------------------
+def _no_vocab_size(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    del config["vocab_size"]
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _malformed(d: Path) -> None:
+    (d / "config.json").write_text('{"architectures": ["SDARForCausalLM"],\n')
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("breakage, problem", [(_no_vocab_size, "has no 'vocab_size' entry"),
+                                               (_malformed, "is not valid JSON")])
+def test_bad_config_json(sdar_dir, tmp_path, command, breakage, problem):
+    bad = copy_checkpoint(sdar_dir, tmp_path / "BAD")
+    breakage(bad)
+    line = one_error_line(run([*DLLM, command, "--model", "BAD", "hi"], tmp_path))
+    assert line.startswith("dllm: error: BAD/config.json ") and problem in line, line
+
+
+def test_missing_tokenizer_files(sdar_dir, tmp_path):
+    bad = copy_checkpoint(sdar_dir, tmp_path / "notok")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bad / name).unlink(missing_ok=True)
+    line = one_error_line(run([*DLLM, "generate", "--model", "notok", "hi"], tmp_path))
+    assert "notok has no tokenizer: missing tokenizer.json and tokenizer_config.json" in line
+    assert "upgrade" not in line and "architecture" not in line
+
+    (bad / "tokenizer_config.json").write_text("{}")  # only the vocabulary is missing
+    with pytest.raises(ValueError, match=r"has no tokenizer: missing tokenizer\.json \("):
+        load_tokenizer(str(bad))
+
+
+# ---- dllm generate --input/--output -------------------------------------------------------
+def test_output_that_is_a_directory_is_refused_before_loading(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "results").mkdir()
+    # No such model: the refusal must come before anything is loaded.
+    proc = run([*DLLM, "generate", "--model", "no-such-model", "--input", "in.jsonl",
+                "--output", "results"], tmp_path)
+    line = one_error_line(proc)
+    assert line == ("dllm: error: --output results is a directory; give the path of a JSONL "
+                    "file (created, or appended to)")
+    assert os.listdir(tmp_path / "results") == []
+
+
+def test_duplicate_custom_id_gets_its_own_line_id_and_resume_skips_it(tmp_path):
+    lines = [{"custom_id": "q1", "prompt": "1+1=", "max_tokens": 4},
+             {"custom_id": "q1", "prompt": "2+2=", "max_tokens": 4},
+             {"prompt": "3+3=", "max_tokens": 4}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = [*DLLM, "generate", "--input", "in.jsonl", "--output", "out.jsonl"]  # built-in model
+    proc = run(cmd, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(r) for r in (tmp_path / "out.jsonl").read_text().splitlines()]
+    by_id = {r["custom_id"]: r for r in rows}
+    assert len(rows) == 3 and set(by_id) == {"q1", "line-2", "line-3"}
+    assert by_id["q1"]["error"] is None and by_id["line-3"]["error"] is None
+    dup = by_id["line-2"]["error"]
+    assert dup["code"] == "duplicate_custom_id"
+    assert dup["message"].startswith("line 2 repeats custom_id 'q1' of line 1")
+    # A re-run finds every id, the duplicate's included, already there: nothing new is written.
+    proc = run(cmd, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 done, 0 failed, 3 skipped" in proc.stderr
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+# ---- python -m dllm.testing ---------------------------------------------------------------
+def test_testing_factory_refuses_an_existing_file(tmp_path):
+    (tmp_path / "taken").write_text("not a checkpoint")
+    proc = run([sys.executable, "-m", "dllm.testing", "SDARForCausalLM", "taken"], tmp_path)
+    assert one_error_line(proc) == ("python -m dllm.testing: error: taken is an existing file, "
+                                    "not a directory; give a directory path (created if missing)")
+    assert (tmp_path / "taken").read_text() == "not a checkpoint"
