@@ -45,7 +45,9 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json_object(path: str) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict ({} when absent); ``ValueError`` naming the file
+    when it is not a JSON object."""
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -94,7 +96,7 @@ def resolve_mask_token_id(engine_value: int | None, config: dict, tokenizer,
 
 def load_model_info(engine: EngineConfig, tokenizer) -> ModelInfo:
     path = resolve_model_path(engine.model)
-    config = _read_json(os.path.join(path, "config.json"))
+    config = read_json_object(os.path.join(path, "config.json"))
     archs = config.get("architectures") or []
     if not archs:
         raise ValueError(f"{path}/config.json has no 'architectures' entry")
@@ -106,7 +108,7 @@ def load_model_info(engine: EngineConfig, tokenizer) -> ModelInfo:
     except (TypeError, ValueError):
         raise ValueError(f"{path}/config.json: 'vocab_size' must be an integer, got "
                          f"{config['vocab_size']!r}") from None
-    gen = _read_json(os.path.join(path, "generation_config.json"))
+    gen = read_json_object(os.path.join(path, "generation_config.json"))
     is_diffusion = spec.kind != "causal_lm"
     mask_id = resolve_mask_token_id(engine.mask_token_id, config, tokenizer, spec,
                                     vocab_size) if is_diffusion else None

@@ -10,12 +10,13 @@ way (a ``chat_template.jinja`` beside them included).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from dllm.checkpoint import read_json_object
 
 # Tokenizer classes of released checkpoints' own code, and the transformers class each copies.
 EQUIVALENT_CLASSES = {
@@ -24,15 +25,7 @@ EQUIVALENT_CLASSES = {
 
 
 def _tokenizer_config(path: str) -> dict[str, Any]:
-    file = os.path.join(path, "tokenizer_config.json")
-    if not os.path.isfile(file):
-        return {}
-    with open(file, encoding="utf-8") as f:
-        try:
-            obj = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{file} is not valid JSON: {exc}") from None
-    return obj if isinstance(obj, dict) else {}
+    return read_json_object(os.path.join(path, "tokenizer_config.json"))
 
 
 # Files that hold a vocabulary, one of which a tokenizer directory needs (besides the
