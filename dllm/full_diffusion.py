@@ -32,8 +32,9 @@ by mask tokens, is a second row of the same forward in its own request slot and 
 request reserves twice its canvas); logits = un + (cfg_scale + 1)·(cond − un), as LLaDA.
 
 **Blocks and steps.** ``block_size``: the request's ``dllm.block_size``, else the engine's
-(its argument or ``config.json``), else 32 for LLaDA and LLaDA-MoE (the LLaDA demo and
-evaluation setting) and the whole canvas for Dream; clipped to ``max_new_tokens``. The
+(its argument or ``config.json``), else the family's ``canvas_block_size`` (32 for LLaDA and
+LLaDA-MoE, the LLaDA demo and evaluation setting; the whole canvas for Dream); clipped to
+``max_new_tokens``. The
 reference asserts that the block size divides the generation length; here a last block may be
 shorter. ``dllm.steps`` is the total over the canvas (LLaDA's and Dream's ``steps``): it must be
 a multiple of the number of blocks, and each block gets ``steps // num_blocks`` (as
@@ -75,10 +76,6 @@ from dllm.runner.input_registry import InputRegistry
 from dllm.sampling_params import check_engine_keys
 from dllm.scheduler import Scheduler
 
-# Block size when neither the request, the engine nor config.json sets one (None: the canvas).
-DEFAULT_BLOCK_SIZE: dict[str, int | None] = {
-    "LLaDAModelLM": 32, "LLaDAMoEModelLM": 32, "DreamModel": None,
-}
 # Post-step inputs, per row of the forward (name -> dtype).
 ROW_FIELDS = {
     "fd.offset": torch.int64,  # index of the block's first token within the row's query

@@ -48,11 +48,6 @@ def llada_quota(num_initial_masks: Tensor, steps: Tensor, step: Tensor) -> Tenso
     return torch.where(step < steps, quota, 0)
 
 
-def at_least_one(count: Tensor, num_masked: Tensor) -> Tensor:
-    """Clamp a per-row transfer count to ``[1, num_masked]`` (0 when nothing is masked)."""
-    return torch.minimum(count.clamp(min=1), num_masked)
-
-
 def finish(
     x: DenoiseInput,
     x0: Tensor,
