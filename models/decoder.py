@@ -18,15 +18,14 @@ from dllm.models.attention import Attention, Batch, KVCacheSpec
 from dllm.models.config import ModelConfig
 from dllm.models.layers import (
     LMHead,
+    PackedLinear,
     RMSNorm,
     RopeSpec,
     RotaryEmbedding,
-    SwiGLUMLP,
     VocabEmbedding,
-    fuse_linears,
 )
 from dllm.models.moe import StackedExperts
-from dllm.models.ops import PreNormed, QKVAttention, UsesOps
+from dllm.models.ops import UsesOps
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 
@@ -49,18 +48,6 @@ class AttentionSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up projections of every layer that can (fewer, larger GEMMs).
-    Done after the weights are loaded; the checkpoint names are unaffected. Returns how many
-    modules were fused."""
-    fusable = [m for m in model.modules() if isinstance(m, (SelfAttention, SwiGLUMLP))
-               and getattr(m, "qkv_proj", None) is None
-               and getattr(m, "gate_up_proj", None) is None]
-    for m in fusable:
-        m.fuse()
-    return len(fusable)
 
 
 def hf_lm_sizes(config: ModelConfig) -> dict[str, int | bool]:
@@ -90,80 +77,50 @@ def hf_attention_spec(config: ModelConfig, *, qkv_bias: bool, out_bias: bool,
 
 
 class SelfAttention(UsesOps, nn.Module):
-    """``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ per-head ``q_norm``/``k_norm``) and RoPE."""
+    """The checkpoint's ``q_proj``/``k_proj``/``v_proj`` packed into one ``qkv_proj`` GEMM at
+    load, ``o_proj``, per-head ``q_norm``/``k_norm`` (Qwen3) and RoPE."""
+
+    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                      "v_proj": ("qkv_proj", 2)}
 
     def __init__(self, spec: AttentionSpec, layer_id: int):
         super().__init__()
         self.spec = spec
         h = spec.hidden_size
-        self.q_proj = nn.Linear(h, spec.q_size, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, spec.kv_size, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, spec.kv_size, bias=spec.qkv_bias)
+        self.qkv_proj = PackedLinear(h, [spec.q_size, spec.kv_size, spec.kv_size],
+                                     bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_size, h, bias=spec.out_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope)
         self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        self.qkv_proj: nn.Linear | None = None
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self.spec.qk_norm:
             return None, None
         return self.q_norm.weight, self.k_norm.weight
 
-    def fuse(self) -> None:
-        """After loading: one ``qkv_proj`` GEMM instead of three."""
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor,
+               forward_batch: Batch) -> torch.Tensor:
+        """From the q/k/v projection to the attention output (before ``o_proj``): q/k norms
+        and RoPE (``LayerOps.qkv_rope``; k and v come back None when the ops wrote them to
+        the KV cache), then attention."""
+        q, k, v = self.ops.qkv_rope(self, qkv, positions, forward_batch)
+        return self.attn(q, k, v, forward_batch)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: Batch) -> torch.Tensor:
-        if self.qkv_proj is None:  # before ``fuse``: one GEMM each
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        else:
-            qkv = self.ops.linear(x, self.qkv_proj)
-        return self.ops.linear(attend_qkv(self, qkv, positions, forward_batch), self.o_proj)
-
-    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
-                       residual: torch.Tensor | None, norm: RMSNorm,
-                       forward_batch: Batch, next_norm: RMSNorm | None = None
-                       ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
-        """This attention with the decoder's residual steps around it, so that the layer ops
-        may fuse them into its projections (see ``SwiGLUMLP.forward_normed``)."""
-        if self.qkv_proj is None:
-            h, s = norm.add_forward(x, residual)
-            return self(positions, h, forward_batch), s
-        return normed_attention(self, self.qkv_proj, self.o_proj, positions, x, residual, norm,
-                                forward_batch, next_norm)
-
-
-def attend_qkv(attn: QKVAttention, qkv: torch.Tensor, positions: torch.Tensor,
-               forward_batch: Batch) -> torch.Tensor:
-    """From a fused q/k/v projection to the attention output (before the output projection):
-    q/k norms and RoPE (``LayerOps.qkv_rope``), then attention."""
-    # q [T, H, D], k/v [T, Hkv, D]; k and v None when the ops wrote them to the KV cache.
-    q, k, v = attn.ops.qkv_rope(attn, qkv, positions, forward_batch)
-    return attn.attn(q, k, v, forward_batch)
-
-
-def normed_attention(attn: QKVAttention, qkv_proj: nn.Module, out_proj: nn.Module,
-                     positions: torch.Tensor, x: torch.Tensor | PreNormed,
-                     residual: torch.Tensor | None, norm: RMSNorm, forward_batch: Batch,
-                     next_norm: RMSNorm | None
-                     ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
-    """``forward_normed`` of an attention module with one fused q/k/v projection."""
-    ops = attn.ops
-    qkv, s = ops.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj)
-    out = attend_qkv(attn, qkv, positions, forward_batch)
-    if next_norm is None:
-        return ops.linear(out, out_proj), s
-    return ops.linear_residual(out, out_proj, s, next_norm.weight, next_norm.eps)
+        qkv = self.ops.linear(x, self.qkv_proj)
+        return self.ops.linear(self.attend(qkv, positions, forward_batch), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm layer carrying the residual stream separately (as vLLM and SGLang do), so the
-    residual add and the next RMSNorm are one step (``RMSNorm.add_forward``)."""
+    residual add and the next RMSNorm are one step (``RMSNorm.add_forward``). ``x`` is the
+    previous layer's MLP output and ``residual`` the stream before it (None at the first
+    layer, whose ``x`` is the embedding); the stream after this layer is ``residual + x`` of
+    the pair it returns."""
 
     def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float):
         super().__init__()
@@ -172,39 +129,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
-                residual: torch.Tensor | None, forward_batch: Batch,
-                next_norm: RMSNorm | None = None
-                ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
-        """``x`` is the previous layer's MLP output and ``residual`` the stream before it
-        (``None`` at the first layer, whose ``x`` is the embedding); returns the same pair
-        for the next layer. The stream after this layer is ``residual + x`` of the result.
-        ``next_norm`` (the next layer's input norm, when that layer takes it along): the
-        pair may come back as ``(PreNormed, None)``, the residual step into it already done.
-
-        A module with ``forward_normed`` takes its norms along (``SelfAttention``,
-        ``SwiGLUMLP``), so that the layer ops may fuse the residual steps into its
-        projections; other modules (MoE) get the normalised input."""
-        attn, mlp = self.self_attn, self.mlp
-        if hasattr(attn, "forward_normed"):
-            h, residual = attn.forward_normed(positions, x, residual, self.input_layernorm,
-                                              forward_batch, self.fusable_input_norm(mlp))
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-            h = attn(positions, h, forward_batch)
-        if hasattr(mlp, "forward_normed"):
-            return mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(positions, h, forward_batch)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return mlp(h), residual
-
-    def fusable_input_norm(self, module: nn.Module | None = None) -> RMSNorm | None:
-        """The norm in front of ``module`` (this layer's attention by default; the MLP's is
-        the post-attention norm) when ``module`` takes it along, else None."""
-        if module is None:
-            module, norm = self.self_attn, self.input_layernorm
-        else:
-            norm = self.post_attention_layernorm
-        return norm if hasattr(module, "forward_normed") else None
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -218,10 +148,8 @@ class DecoderModel(nn.Module):
                 forward_batch: Batch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         residual = None
-        layers = self.layers
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].fusable_input_norm() if i + 1 < len(layers) else None
-            x, residual = layer(positions, x, residual, forward_batch, nxt)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, forward_batch)
         return self.norm.add_forward(x, residual)[0]
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.config import ModelConfig
-from dllm.models.ops import PreNormed, UsesOps
+from dllm.models.ops import UsesOps
 
 
 class RMSNorm(UsesOps, nn.Module):
@@ -26,7 +26,7 @@ class RMSNorm(UsesOps, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor | PreNormed,
+    def add_forward(self, x: torch.Tensor,
                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(residual + x), residual + x)``: the pre-norm decoder's residual step, one
         kernel where the layer ops fuse it. ``residual`` None (the first layer): ``(self(x),
@@ -181,54 +181,36 @@ def check_silu(config: ModelConfig, key: str = "hidden_act") -> None:
         raise NotImplementedError(f"activation {act!r} is not supported (only SwiGLU/SiLU)")
 
 
-def fuse_linears(*linears: nn.Linear) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the concatenation of ``linears``' outputs (their
-    weights stacked along the output axis), on the same device and dtype."""
-    w = torch.cat([m.weight for m in linears], dim=0)
-    has_bias = linears[0].bias is not None
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
-    fused.weight = nn.Parameter(w, requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
-    return fused
+class PackedLinear(nn.Linear):
+    """One ``nn.Linear`` whose output rows are several checkpoint projections stacked
+    (``output_sizes`` rows each, in order): q/k/v, or gate/up. The modules that hold one name
+    the checkpoint projections it packs in ``packed_modules`` (checkpoint module name → (packed
+    module, shard index)), the weight-mapping data the loader reads to copy each checkpoint
+    tensor into its rows; the model then runs one GEMM where the checkpoint has several."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = tuple(output_sizes)
+
+    def shard_rows(self, index: int) -> slice:
+        """The rows of shard ``index`` in the packed output."""
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
 
 
 class SwiGLUMLP(UsesOps, nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with the HF names ``gate_proj``/``up_proj``/``down_proj``.
-    After loading, ``fuse()`` may replace gate and up by one ``gate_up_proj`` GEMM."""
+    """``down(silu(gate(x)) * up(x))``, the checkpoint's ``gate_proj`` and ``up_proj`` packed
+    into one ``gate_up_proj`` GEMM at load."""
+
+    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        if self.gate_up_proj is not None:
-            return self.ops.silu_mul_linear(self.ops.linear(x, self.gate_up_proj),
-                                            self.down_proj)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def forward_normed(self, x: torch.Tensor | PreNormed, residual: torch.Tensor | None,
-                       norm: RMSNorm, next_norm: RMSNorm | None = None
-                       ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
-        """This MLP with the decoder's residual steps around it, so that the layer ops may
-        fuse them into its projections: the step into ``norm`` before gate/up
-        (``LayerOps.norm_gate_up``), and, given ``next_norm``, the step into it after down
-        (``LayerOps.linear_residual``). Returns the ``(x, residual)`` pair the next
-        ``pre_norm`` takes."""
-        if self.gate_up_proj is None:
-            h, s = norm.add_forward(x, residual)
-            return self(h), s
-        act, s = self.ops.norm_gate_up(x, residual, norm.weight, norm.eps, self.gate_up_proj)
-        if next_norm is None:
-            return self.ops.linear(act, self.down_proj), s
-        return self.ops.linear_residual(act, self.down_proj, s, next_norm.weight, next_norm.eps)
+        return self.ops.silu_mul_linear(self.ops.linear(x, self.gate_up_proj), self.down_proj)
 
 
 class VocabEmbedding(nn.Module):

@@ -18,57 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.models.attention import Attention, Batch
 from dllm.models.config import ModelConfig
-from dllm.models.decoder import (
-    AttentionSpec,
-    DecoderLM,
-    attend_qkv,
-    hf_lm_sizes,
-    normed_attention,
-)
-from dllm.models.layers import (
-    RMSNorm,
-    RopeSpec,
-    RotaryEmbedding,
-    SwiGLUMLP,
-    check_silu,
-)
+from dllm.models.decoder import AttentionSpec, DecoderLM, SelfAttention, hf_lm_sizes
+from dllm.models.layers import RopeSpec, SwiGLUMLP, check_silu
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
-from dllm.models.ops import PreNormed, UsesOps
 from dllm.models.weights import STACK_EXPERTS, WeightRule
 
-
-class FusedQKVAttention(UsesOps, nn.Module):
-    def __init__(self, spec: AttentionSpec, layer_id: int):
-        super().__init__()
-        self.spec = spec
-        self.query_key_value = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size,
-                                         bias=spec.qkv_bias)
-        if spec.qk_norm:
-            self.query_layernorm = RMSNorm(spec.head_dim, spec.norm_eps)
-            self.key_layernorm = RMSNorm(spec.head_dim, spec.norm_eps)
-        self.dense = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.out_bias)
-        self.rotary_emb = RotaryEmbedding(spec.rope)
-        self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-
-    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self.spec.qk_norm:
-            return None, None
-        return self.query_layernorm.weight, self.key_layernorm.weight
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                forward_batch: Batch) -> torch.Tensor:
-        qkv = self.ops.linear(x, self.query_key_value)
-        return self.ops.linear(attend_qkv(self, qkv, positions, forward_batch), self.dense)
-
-    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor | PreNormed,
-                       residual: torch.Tensor | None, norm: RMSNorm,
-                       forward_batch: Batch, next_norm: RMSNorm | None = None
-                       ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
-        """As ``SelfAttention.forward_normed``: the residual steps ride with the projections."""
-        return normed_attention(self, self.query_key_value, self.dense, positions, x, residual,
-                                norm, forward_batch, next_norm)
+_ATTN = r"model\.layers\.(?P<l>\d+)\.attention\."
+_SELF_ATTN = r"model.layers.\g<l>.self_attn."
 
 
 class LLaDA2Gate(nn.Module):
@@ -148,8 +105,11 @@ def llada2_attention_spec(config: ModelConfig) -> AttentionSpec:
 class LLaDA2MoeModelLM(DecoderLM):
     checkpoint_rules = (
         WeightRule(r"model\.word_embeddings\.weight", r"model.embed_tokens.weight"),
-        WeightRule(r"model\.layers\.(?P<l>\d+)\.attention\.(?P<rest>.+)",
-                   r"model.layers.\g<l>.self_attn.\g<rest>"),
+        # The fused ``[Q | K | V]`` projection is already ``qkv_proj``'s row layout.
+        WeightRule(_ATTN + r"query_key_value\.(?P<w>weight|bias)", _SELF_ATTN + r"qkv_proj.\g<w>"),
+        WeightRule(_ATTN + r"dense\.(?P<w>weight|bias)", _SELF_ATTN + r"o_proj.\g<w>"),
+        WeightRule(_ATTN + r"query_layernorm\.weight", _SELF_ATTN + r"q_norm.weight"),
+        WeightRule(_ATTN + r"key_layernorm\.weight", _SELF_ATTN + r"k_norm.weight"),
         STACK_EXPERTS,
     )
 
@@ -170,6 +130,6 @@ class LLaDA2MoeModelLM(DecoderLM):
         super().__init__(
             config, spec,
             **hf_lm_sizes(config),
-            make_attention=lambda i: FusedQKVAttention(spec, i),
+            make_attention=lambda i: SelfAttention(spec, i),
             make_mlp=make_mlp,
         )

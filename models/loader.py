@@ -3,8 +3,9 @@ listed in ``model.safetensors.index.json``). No pickle.
 
 The model is built on the meta device, then every parameter is replaced by the checkpoint tensor
 read straight onto the target device in the requested dtype, so weights are materialised once.
-Names go through the model's ``weight_rules`` (``dllm.models.weights``); a missing, unexpected
-or wrongly shaped tensor raises ``WeightLoadError`` naming it.
+Names go through the model's ``weight_rules`` (``dllm.models.weights``); a projection that the
+model packs with others (q/k/v, gate/up: ``packed_modules``) is copied into its rows of the packed
+parameter. A missing, unexpected or wrongly shaped tensor raises ``WeightLoadError`` naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dllm.models.config import ModelConfig
+from dllm.models.layers import PackedLinear
 from dllm.models.registry import ArchitectureSpec, get_architecture
 from dllm.models.weights import WeightRule, WeightTarget, resolve_weight
 
@@ -97,7 +99,9 @@ class _Assembler:
         self.expected = _expected_tensors(model)
         self.fp32 = _fp32_names(model)
         self.done: set[str] = set()
+        # Stacked (per-expert) and packed (q/k/v, gate/up) parameters, filled part by part.
         self.stacks: dict[str, tuple[torch.Tensor, list[bool]]] = {}
+        self.parts: dict[str, list[str]] = {}
         self.unexpected: list[str] = []
 
     def _dtype_for(self, name: str, source: torch.Tensor) -> torch.dtype:
@@ -110,12 +114,34 @@ class _Assembler:
         if target is None:
             return
         if target.name not in self.expected:
-            self.unexpected.append(ckpt_name)
-            return
-        if target.index is None:
+            packed = self._packed_target(target.name)
+            if packed is None:
+                self.unexpected.append(ckpt_name)
+                return
+            self._add_shard(ckpt_name, *packed, tensor)
+        elif target.index is None:
             self._add_plain(ckpt_name, target, tensor)
         else:
             self._add_stacked(ckpt_name, target, tensor)
+
+    def _packed_target(self, name: str) -> tuple[str, PackedLinear, int, list[str]] | None:
+        """``parent.q_proj.weight`` → (``parent.qkv_proj.weight``, the packed module, shard
+        index, the unpacked names of every shard) where ``parent`` packs ``q_proj`` (its
+        ``packed_modules``)."""
+        parent, _, rest = name.rpartition(".")
+        parent, _, sub = parent.rpartition(".")
+        try:
+            module = self.model.get_submodule(parent)
+        except AttributeError:
+            return None
+        packed_name, index = getattr(module, "packed_modules", {}).get(sub, (None, 0))
+        full = f"{parent}.{packed_name}.{rest}" if parent else f"{packed_name}.{rest}"
+        if packed_name is None or full not in self.expected:
+            return None
+        shards = sorted((i, f"{parent}.{sub}.{rest}".lstrip("."))
+                        for sub, (target, i) in module.packed_modules.items()
+                        if target == packed_name)
+        return full, module.get_submodule(packed_name), index, [n for _, n in shards]
 
     def _add_plain(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
         want = tuple(self.expected[target.name].shape)
@@ -123,11 +149,23 @@ class _Assembler:
             raise WeightLoadError(
                 f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, but parameter "
                 f"{target.name!r} expects {want}")
-        if target.name in self.done:
+        if target.name in self.done or target.name in self.stacks:
             raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} sets {target.name!r} twice")
         value = tensor.to(device=self.device, dtype=self._dtype_for(target.name, tensor))
         _set_tensor(self.model, target.name, value)
         self.done.add(target.name)
+
+    def _slot(self, name: str, parts: list[str], tensor: torch.Tensor,
+              ckpt_name: str) -> tuple[torch.Tensor, list[bool]]:
+        """The buffer that collects the parts of ``name`` (a stacked or packed parameter)."""
+        if name in self.done:
+            raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} sets {name!r} twice")
+        if name not in self.stacks:
+            buf = torch.empty(tuple(self.expected[name].shape),
+                              dtype=self._dtype_for(name, tensor), device=self.device)
+            self.stacks[name] = (buf, [False] * len(parts))
+            self.parts[name] = parts
+        return self.stacks[name]
 
     def _add_stacked(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
         want = tuple(self.expected[target.name].shape)
@@ -136,14 +174,26 @@ class _Assembler:
             raise WeightLoadError(
                 f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) does not fit "
                 f"slice [{index}] of parameter {target.name!r} of shape {want}")
-        if target.name not in self.stacks:
-            buf = torch.empty(want, dtype=self._dtype_for(target.name, tensor), device=self.device)
-            self.stacks[target.name] = (buf, [False] * want[0])
-        buf, filled = self.stacks[target.name]
+        parts = [f"{target.name}[{i}]" for i in range(want[0])]
+        buf, filled = self._slot(target.name, parts, tensor, ckpt_name)
         if filled[index]:
             raise WeightLoadError(
                 f"checkpoint tensor {ckpt_name!r} sets {target.name}[{index}] twice")
         buf[index].copy_(tensor)
+        filled[index] = True
+
+    def _add_shard(self, ckpt_name: str, name: str, packed: PackedLinear, index: int,
+                   parts: list[str], tensor: torch.Tensor) -> None:
+        rows = packed.shard_rows(index)
+        want = (rows.stop - rows.start, *self.expected[name].shape[1:])
+        if tuple(tensor.shape) != want:
+            raise WeightLoadError(
+                f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, but its "
+                f"rows of parameter {name!r} ({parts[index]}) expect {want}")
+        buf, filled = self._slot(name, parts, tensor, ckpt_name)
+        if filled[index]:
+            raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} sets {parts[index]} twice")
+        buf[rows].copy_(tensor)
         filled[index] = True
 
     def finish(self) -> None:
@@ -154,7 +204,7 @@ class _Assembler:
                 + (f" and {len(self.unexpected) - 20} more" if len(self.unexpected) > 20 else ""))
         missing: list[str] = []
         for name, (buf, filled) in self.stacks.items():
-            missing += [f"{name}[{i}]" for i, ok in enumerate(filled) if not ok]
+            missing += [part for part, ok in zip(self.parts[name], filled, strict=True) if not ok]
             _set_tensor(self.model, name, buf)
             self.done.add(name)
         missing += sorted(set(self.expected) - self.done)

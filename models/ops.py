@@ -7,12 +7,14 @@ against). A runner installs a faster implementation of the same interface on eve
 model with ``install_ops`` (``dllm.runner.layer_ops.FlashInferOps`` on CUDA): the models call
 ``self.ops.<op>`` and never branch on the hardware themselves. A fused implementation computes
 the same function up to the rounding of the activation dtype (it keeps float32 inside a
-kernel where the reference rounds between steps).
+kernel where the reference rounds between steps). Fusions across a layer's steps (the residual
+add and the next norm carried into the neighbouring projections' GEMMs) are not ops the models
+call: the runner swaps whole decoder layers for those (``dllm.runner.fused_layer``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
 
 
 class QKVAttention(Protocol):
-    """What ``LayerOps.qkv_rope`` reads of an attention module with one fused q/k/v
-    projection (``SelfAttention``, LLaDA2's ``FusedQKVAttention``)."""
+    """What ``LayerOps.qkv_rope`` reads of an attention module with one packed q/k/v
+    projection (``SelfAttention``)."""
 
     spec: AttentionSpec
     rotary_emb: RotaryEmbedding
@@ -36,19 +38,6 @@ class QKVAttention(Protocol):
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The per-head q and k RMSNorm weights, ``(None, None)`` without qk-norm."""
-
-
-class PreNormed(NamedTuple):
-    """The input of a pre-norm projection, half normalised by the kernel that produced it
-    (``LayerOps.linear_residual`` of a fused implementation): the stream ``s = residual + y``,
-    ``scaled = s * weight`` (rounded), and float32 partial sums of ``s²`` per row from which
-    the consuming projection forms ``1 / rms(s)``. ``weight`` is the norm weight it was
-    built for."""
-
-    stream: torch.Tensor
-    scaled: torch.Tensor
-    sum_sq: torch.Tensor
-    weight: torch.Tensor
 
 
 class LayerOps:
@@ -122,42 +111,13 @@ class LayerOps:
         """``layer(silu_and_mul(x))``: SwiGLU's down projection of the fused gate/up output."""
         return self.linear(self.silu_and_mul(x), layer)
 
-    def pre_norm(self, x: torch.Tensor | PreNormed, residual: torch.Tensor | None,
+    def pre_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                  weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm decoder's residual step: ``(rms_norm(s), s)`` with the stream
-        ``s = residual + x``, or ``s = x`` at the first layer (``residual`` None), or the
-        stream a fused ``linear_residual`` already formed (``x`` a ``PreNormed``)."""
-        if isinstance(x, PreNormed):
-            return self.rms_norm(x.stream, weight, eps), x.stream
+        ``s = residual + x``, or ``s = x`` at the first layer (``residual`` None)."""
         if residual is None:
             return self.rms_norm(x, weight, eps), x
         return self.add_rms_norm(x, residual, weight, eps)
-
-    def norm_linear(self, x: torch.Tensor | PreNormed, residual: torch.Tensor | None,
-                    weight: torch.Tensor, eps: float,
-                    layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(linear(rms_norm(s), layer), s)``: the residual step (``pre_norm``) and the
-        projection after it, which an implementation may fuse."""
-        h, s = self.pre_norm(x, residual, weight, eps)
-        return self.linear(h, layer), s
-
-    def norm_gate_up(self, x: torch.Tensor | PreNormed, residual: torch.Tensor | None,
-                     weight: torch.Tensor, eps: float,
-                     gate_up: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(silu_and_mul(linear(rms_norm(s), gate_up)), s)``: the residual step and a
-        SwiGLU MLP's fused gate/up projection with its activation."""
-        h, s = self.pre_norm(x, residual, weight, eps)
-        return self.silu_and_mul(self.linear(h, gate_up)), s
-
-    def linear_residual(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor,
-                        next_weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor | PreNormed, torch.Tensor | None]:
-        """A sublayer's output projection, followed by the residual step of the RMSNorm with
-        weight ``next_weight``: returns the pair the next ``pre_norm`` takes. The reference
-        returns ``(linear(x, layer), residual)`` and leaves the add to that ``pre_norm``; an
-        implementation may instead do the add (and part of the norm) in the projection's
-        kernel and return ``(PreNormed, None)``."""
-        return self.linear(x, layer), residual
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,8 @@ from flashinfer.rope import _apply_rope_pos_ids_cos_sin_cache
 from torch import nn
 
 from dllm.models.layers import RotaryEmbedding
-from dllm.models.ops import LayerOps, PreNormed
+from dllm.models.ops import LayerOps
+from dllm.runner.fused_layer import PreNormed, ResidualFusion
 from dllm.runner.kernels.hardware import capability
 from dllm.runner.kernels.settings import KernelSettings
 
@@ -120,7 +121,7 @@ class FlashInferOps(LayerOps):
         return q_out.view(t, h * d), k_out.view(t, k.shape[1] * d)
 
 
-class TritonOps(FlashInferOps):
+class TritonOps(ResidualFusion, FlashInferOps):
     name = "triton"
 
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device,

@@ -1,5 +1,5 @@
-"""One rank's forward (DESIGN §7): the ``ModelRunner`` loads the model, fuses its weights,
-installs the kernels, sizes and owns the KV cache, captures CUDA graphs, and runs one
+"""One rank's forward (DESIGN §7): the ``ModelRunner`` loads the model (q/k/v and gate/up
+packed at load), installs the kernels, sizes and owns the KV cache, captures CUDA graphs, and runs one
 ``ScheduledBatch`` at a time: load it into the static registry, run the model, pick the
 logits, run the post-step on the device.
 
@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 import torch
 
-from dllm.models.decoder import fuse_projections
 from dllm.models.loader import load_model
 from dllm.models.ops import install_ops
 from dllm.runner.attention import make_backend, resolve_backend_name, triton_available
@@ -28,6 +27,7 @@ from dllm.runner.forward_batch import (
     ScheduledBatch,
     StepKind,
 )
+from dllm.runner.fused_layer import fuse_decoder_layers
 from dllm.runner.input_registry import InputRegistry
 from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 
@@ -107,7 +107,6 @@ class ModelRunner:
         self.model, _, _ = load_model(config.model_path, dtype=config.dtype, device=self.device,
                                       load_format=config.load_format, seed=config.seed)
         self.model.eval()
-        fuse_projections(self.model)  # q/k/v and gate/up as one GEMM each
         self._init_memory()
         self.req_to_token = self.req_pool.req_to_token
         self._install_ops()
@@ -158,12 +157,15 @@ class ModelRunner:
     def _install_ops(self) -> None:
         """FlashInfer's fused norm/activation/RoPE kernels where its attention runs (CUDA),
         with the Triton kernels of ``TritonOps`` where Triton is installed; the plain-PyTorch
-        reference ops elsewhere."""
+        reference ops elsewhere. With ``TritonOps`` the decoder layers become
+        ``FusedDecoderLayer`` s, whose projections take the residual steps along."""
         if self._flashinfer():
             from dllm.runner.layer_ops import FlashInferOps, TritonOps
 
             ops = TritonOps if triton_available() else FlashInferOps
             install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))
+            if ops is TritonOps:  # its GEMMs take the residual steps along
+                fuse_decoder_layers(self.model)
 
     def _init_cuda_graphs(self) -> None:
         """Capture the ``graph_kind`` steps (denoise or decode) on CUDA with FlashInfer;

@@ -285,7 +285,6 @@ def test_triton_ops_match_the_reference_ops():
     attn = SelfAttention(spec, 0)
     for w in (attn.q_norm.weight, attn.k_norm.weight):
         torch.nn.init.normal_(w, 1.0, 0.1)
-    attn.fuse()
     attn.to(dev, torch.bfloat16)
     ops = TritonOps(attn, 4096, dev)
     req_pool = ReqToTokenPool(4, 256, dev)
@@ -319,7 +318,8 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
     its stream."""
     pytest.importorskip("triton")
     from dllm.models.layers import RMSNorm, SwiGLUMLP
-    from dllm.models.ops import TORCH_OPS, PreNormed, install_ops
+    from dllm.models.ops import install_ops
+    from dllm.runner.fused_layer import PreNormed, ResidualFusion
     from dllm.runner.kernels import wide_gemm
     from dllm.runner.layer_ops import TritonOps
 
@@ -330,13 +330,12 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
                                      qkv=torch.nn.Linear(hid, 1536, bias=True),
                                      mlp=SwiGLUMLP(hid, inter), norm=RMSNorm(hid, eps),
                                      other=RMSNorm(hid, eps)))
-    block.mlp.fuse()
     for norm in (block.norm, block.other):
         torch.nn.init.normal_(norm.weight, 1.0, 0.2)
     block.to(dev, torch.bfloat16)
     ref = copy.deepcopy(block).float()  # the float32 reference on upcast weights
     install_ops(block, TritonOps(block, 4096, dev))
-    install_ops(ref, TORCH_OPS)
+    install_ops(ref, ResidualFusion())
 
     def run(b, x, res):
         o = b.mlp.ops
@@ -345,7 +344,8 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
             return o.linear_residual(x, b.o, res.clone(), weight, eps)
 
         first = step(b.norm.weight)
-        out, stream = b.mlp.forward_normed(*first, b.norm)
+        act, stream = o.norm_gate_up(*first, b.norm.weight, eps, b.mlp.gate_up_proj)
+        out = o.linear(act, b.mlp.down_proj)
         qkv, stream2 = o.norm_linear(*step(b.norm.weight), b.norm.weight, eps, b.qkv)
         # built for b.norm, consumed by b.other: the reference norm of the stream
         other, _ = o.norm_linear(*step(b.norm.weight), b.other.weight, eps, b.qkv)

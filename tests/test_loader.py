@@ -81,7 +81,7 @@ def test_half_checkpoint_cast_to_float32(tmp_path: Path, ckpt_dtype: str) -> Non
 def test_float32_checkpoint_cast_to_bfloat16(tmp_path: Path) -> None:
     path = make_tiny_checkpoint("LLaDA2MoeModelLM", tmp_path)
     model, _, _ = load_model(path, dtype=torch.bfloat16)
-    assert model.model.layers[0].self_attn.query_key_value.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     gate = model.model.layers[1].mlp.gate  # router weights stay float32, as in the reference
     assert gate.weight.dtype == torch.float32 and gate.expert_bias.dtype == torch.float32
     logits = forward_full(model, torch.arange(8), AttentionMask.BLOCK_CAUSAL, 4)

@@ -94,8 +94,9 @@ def test_llada_ff_out_placement(llada: Path) -> None:
     assert torch.equal(model.model.embed_tokens.weight, w[f"{t}.wte.weight"])
     for i, layer in enumerate(model.model.layers):
         assert torch.equal(layer.mlp.down_proj.weight, w[f"{t}.blocks.{i}.ff_out.weight"])
-        assert torch.equal(layer.mlp.gate_proj.weight, w[f"{t}.blocks.{i}.ff_proj.weight"])
-        assert torch.equal(layer.mlp.up_proj.weight, w[f"{t}.blocks.{i}.up_proj.weight"])
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)  # packed at load: gate rows first
+        assert torch.equal(gate, w[f"{t}.blocks.{i}.ff_proj.weight"])
+        assert torch.equal(up, w[f"{t}.blocks.{i}.up_proj.weight"])
         assert torch.equal(layer.self_attn.o_proj.weight, w[f"{t}.blocks.{i}.attn_out.weight"])
 
 
