@@ -21,7 +21,7 @@ from dllm.runner.forward_batch import (
     StepKind,
 )
 from dllm.runner.host_copy import Carry
-from dllm.scheduler import Scheduler
+from dllm.scheduler import Row, Scheduler
 
 
 def sampling_tensors(fb: ForwardBatch, n: int) -> SamplingTensors:
@@ -76,7 +76,7 @@ class AutoregressiveScheduler(Scheduler):
                                attention_mask=AttentionMask.CAUSAL, logits_mode=LogitsMode.LAST)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
-            batch.row_reqs.append(req)
+            batch.rows.append(Row(req))
         batch.row_inputs.update(sampling_rows([req for req, _, _ in rows]))
         return batch
 
@@ -92,8 +92,8 @@ class AutoregressiveScheduler(Scheduler):
             n = req.inflight
             batch.add_row(req.rid, req.req_pool_idx, [0] if n else req.output_ids[-1:],
                           req.committed_len - 1 + n)
-            batch.row_reqs.append(req)
-            carry.add(req.carry if n else None)
+            batch.rows.append(Row(req))
+            carry.add(req.ar.carry if n else None)
         batch.row_inputs.update(sampling_rows(reqs))
         carry.attach(batch)
         return batch
@@ -107,7 +107,7 @@ class AutoregressiveScheduler(Scheduler):
             req.inflight += 1
             if batch.mode is ForwardMode.EXTEND:
                 req.prefilled_len += batch.extend_lens[i]
-            req.carry = (output, i)
+            req.ar.carry = (output, i)
 
     def apply_tokens(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         tokens = output.tolist()  # the one host read of the step

@@ -39,7 +39,7 @@ from dllm.runner.forward_batch import (
     StepKind,
 )
 from dllm.runner.host_copy import Carry
-from dllm.scheduler import Scheduler
+from dllm.scheduler import Row, Scheduler
 
 
 class BlockDiffusionScheduler(Scheduler):
@@ -79,7 +79,7 @@ class BlockDiffusionScheduler(Scheduler):
                                logits_mode=LogitsMode.LAST if first_token else LogitsMode.NONE)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
-            batch.row_reqs.append(req)
+            batch.rows.append(Row(req))
         return batch
 
     def launched_prefill(self, batch: ScheduledBatch, output: Any) -> None:
@@ -109,7 +109,7 @@ class BlockDiffusionScheduler(Scheduler):
         p = req.prompt_len  # the known tokens from ``start`` on, without copying the rest
         known = (req.output_ids[start - p :] if start >= p
                  else [*req.prompt_ids[start:], *req.output_ids])
-        req.block = BlockState(
+        req.denoise.block = BlockState(
             start=start,
             tokens=known + [self.config.mask_token_id] * (b - len(known)),
             editable=[False] * len(known) + [True] * (b - len(known)),
@@ -120,16 +120,16 @@ class BlockDiffusionScheduler(Scheduler):
         """One ``DLLM_EXTEND`` row of exactly ``block_size`` tokens per request."""
         rows: list[tuple[Req, BlockState]] = []
         for req in reqs:
-            blk = req.block
+            blk = req.denoise.block
             if blk is not None and blk.resolved and blk.commit_launched:
                 if self.logits_shift:
                     continue  # the commit's result holds the next block's first token
-                req.block = blk = None  # its commit forward is queued: the next block starts
+                req.denoise.block = blk = None  # its commit forward is queued: the next block starts
             if blk is None:
                 if self.logits_shift and req.inflight:
                     continue  # the prefill's result holds the block's first token
                 self._start_block(req)
-                blk = req.block
+                blk = req.denoise.block
             rows.append((req, blk))
         if not rows:
             return None
@@ -140,17 +140,16 @@ class BlockDiffusionScheduler(Scheduler):
         carry = Carry()
         for req, blk in rows:
             batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
-            batch.row_groups.append(req.algorithm)
-            batch.row_reqs.append(req)
-            batch.row_state.append(blk)
+            batch.row_groups.append(req.denoise.algorithm)
+            batch.rows.append(Row(req, blk))
             editable += blk.editable  # bools: the registry stores them as 0/1
             # In flight on this block: its input is that forward's output, on the device.
             carry.add(blk.carry if req.inflight else None)
         reqs = [req for req, _ in rows]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
-            step=[blk.step for blk in batch.row_state],
-            num_initial_masks=[blk.num_initial_masks for blk in batch.row_state],
+            step=[blk.step for _, blk in rows],
+            num_initial_masks=[blk.num_initial_masks for _, blk in rows],
             **sampling_rows(reqs),
             **config_rows(reqs),
         )
@@ -164,7 +163,8 @@ class BlockDiffusionScheduler(Scheduler):
         row, on the device, whether or not the host has read it."""
         packed, states = output
         tokens = packed[:, : batch.block_size]
-        for i, blk in enumerate(batch.row_state):
+        for i, row in enumerate(batch.rows):
+            blk = row.block
             req = self.row_owner(batch, i)
             if req is None:  # finished since the batch was built (a retried launch)
                 continue
@@ -181,12 +181,12 @@ class BlockDiffusionScheduler(Scheduler):
         result = DenoisePost.read(output)
 
         def apply_row(r: int, req: Req) -> bool:
-            blk: BlockState = batch.row_state[r]
+            blk = batch.rows[r].block
             req.num_forward_passes += 1
             if blk.resolved:  # resolved before this forward: it was the commit forward
                 req.num_commit_forwards += 1
-                if req.block is blk:
-                    req.block = None
+                if req.denoise.block is blk:
+                    req.denoise.block = None
                 if self.logits_shift:
                     self.commit_tokens(req, [result.next_token[r]])
                     return True

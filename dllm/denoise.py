@@ -10,7 +10,7 @@ import torch
 
 from dllm.algorithms import ALGORITHMS, get_algorithm
 from dllm.algorithms.base import KEY_SPECS, DenoiseInput, SamplingTensors
-from dllm.request import BlockState, Req
+from dllm.request import BlockState, DenoiseState, Req
 from dllm.runner.forward_batch import ForwardBatch
 from dllm.runner.input_registry import InputRegistry
 
@@ -64,7 +64,8 @@ def _row_settings(r: Req) -> dict[str, float | int]:
         settings: dict[str, float | int] = {
             "temperature": float(p.temperature), "top_k": p.effective_top_k,
             "top_p": float(p.top_p), "seed": int(p.seed or 0)}
-        for key, v in r.algo_config.items():
+        config = r.denoise.algo_config if isinstance(r.state, DenoiseState) else {}
+        for key, v in config.items():
             spec = KEY_SPECS[key]
             settings[f"cfg.{key}"] = (spec.choices.index(v) if spec.kind is str
                                       and isinstance(v, str) else int(v) if spec.kind is bool
@@ -103,11 +104,11 @@ def config_rows(reqs: list[Req]) -> dict[str, list]:
 
 def state_rows(reqs: list[Req], device: torch.device) -> dict[str, torch.Tensor]:
     """Each row's algorithm state, stacked on the device (zeros at a block's start)."""
-    keys = sorted({k for r in reqs for k in get_algorithm(r.algorithm).state_keys})
+    keys = sorted({k for r in reqs for k in get_algorithm(r.denoise.algorithm).state_keys})
     if not keys:  # most algorithms keep no state: no device work at all
         return {}
     zero = torch.zeros((), dtype=torch.int64, device=device)
-    return {f"state.{k}": torch.stack([r.block.algo_state.get(k, zero) for r in reqs])
+    return {f"state.{k}": torch.stack([r.denoise.block.algo_state.get(k, zero) for r in reqs])
             for k in keys}
 
 
@@ -132,7 +133,7 @@ class DenoisePost:
         groups: dict[str, list[int]] = defaultdict(list)
         for i, (r, blk) in enumerate(zip(reqs, blocks, strict=True)):
             if not blk.resolved:  # commit rows only write their KV
-                groups[r.algorithm].append(i)
+                groups[r.denoise.algorithm].append(i)
         return cls(dict(groups), len(reqs), mask_token_id, logits_shift,
                    sampling_flags(sampling_rows(reqs)))
 

@@ -53,7 +53,7 @@ class EmbeddingScheduler(Scheduler):
 
         def apply_row(i: int, req: Req) -> bool:
             req.num_forward_passes += 1
-            st = req.pool_state
+            st = req.embed.pool_state
             if batch.prefix_lens[i] == 0:
                 st["first"], st["sum"] = first[i], sums[i]
             else:
@@ -64,10 +64,10 @@ class EmbeddingScheduler(Scheduler):
                 return False
             pooled = {PoolingType.LAST: st["last"], PoolingType.CLS: st["first"],
                       PoolingType.MEAN: st["sum"] / req.prompt_len}[self.pooling.pooling]
-            normalize = (self.pooling.normalize if req.embed_normalize is None
-                         else req.embed_normalize)
-            req.embedding = finish_embedding(pooled, normalize, req.embed_dimensions).tolist()
-            req.pool_state = {}
+            emb = req.embed
+            normalize = self.pooling.normalize if emb.normalize is None else emb.normalize
+            emb.embedding = finish_embedding(pooled, normalize, emb.dimensions).tolist()
+            emb.pool_state = {}
             self.finish(req, FinishReason.STOP)
             return True
 

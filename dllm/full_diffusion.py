@@ -74,7 +74,7 @@ from dllm.runner.forward_batch import (
 )
 from dllm.runner.input_registry import InputRegistry
 from dllm.sampling_params import check_engine_keys
-from dllm.scheduler import Scheduler
+from dllm.scheduler import Row, Scheduler
 
 # Post-step inputs, per row of the forward (name -> dtype).
 ROW_FIELDS = {
@@ -135,11 +135,11 @@ class FullDiffusionScheduler(Scheduler):
 
     # ---- memory: a CFG request also holds its twin's slot and pages ---------------------
     def _pages(self, req: Req) -> int:
-        return self.kv_pool.pages_for(req.reserved_len) * (2 if req.cfg_scale > 0 else 1)
+        return self.kv_pool.pages_for(req.reserved_len) * (2 if req.full.cfg_scale > 0 else 1)
 
     def check_fits(self, req: Req) -> None:
         super().check_fits(req)
-        if req.cfg_scale > 0:
+        if req.full.cfg_scale > 0:
             if self.req_pool.max_reqs < 2:
                 raise ValueError("cfg_scale > 0 needs two request slots (the unconditional "
                                  "twin); start the engine with max_running_requests >= 2")
@@ -150,7 +150,7 @@ class FullDiffusionScheduler(Scheduler):
                     f"{self.kv_pool.num_usable_pages * self.kv_pool.page_size}")
 
     def _try_admit(self, req: Req) -> bool:
-        twin = req.cfg_scale > 0
+        twin = req.full.cfg_scale > 0
         if twin and (self.req_pool.num_free < 2
                      or self.kv_pool.num_free_pages < self._pages(req)):
             return False
@@ -160,15 +160,15 @@ class FullDiffusionScheduler(Scheduler):
             n = req.reserved_len
             pages = self.kv_pool.alloc_pages(self.kv_pool.pages_for(n))
             req.kv_pages.extend(pages)
-            req.cfg_pool_idx = self.req_pool.alloc()
-            self.req_pool.req_to_token[req.cfg_pool_idx, :n] = self.kv_pool.slots_for(
+            req.full.cfg_pool_idx = self.req_pool.alloc()
+            self.req_pool.req_to_token[req.full.cfg_pool_idx, :n] = self.kv_pool.slots_for(
                 pages, 0, n).to(self.req_pool.req_to_token.device)
         return True
 
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
-        if req.cfg_pool_idx is not None:
-            self.req_pool.free(req.cfg_pool_idx)
-            req.cfg_pool_idx = None
+        if req.full.cfg_pool_idx is not None:
+            self.req_pool.free(req.full.cfg_pool_idx)
+            req.full.cfg_pool_idx = None
         self._last_run.pop(req.rid, None)
         super().finish(req, reason, error)
 
@@ -178,7 +178,7 @@ class FullDiffusionScheduler(Scheduler):
         assert len(held) + self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages, (
             f"KV pages leaked: {self.kv_pool.num_usable_pages} usable, "
             f"{self.kv_pool.num_free_pages} free, {len(held)} held")
-        slots = [s for r in self.running.values() for s in (r.req_pool_idx, r.cfg_pool_idx)
+        slots = [s for r in self.running.values() for s in (r.req_pool_idx, r.full.cfg_pool_idx)
                  if s is not None]
         assert len(slots) + self.req_pool.num_free == self.req_pool.max_reqs, "request slots leaked"
 
@@ -201,10 +201,10 @@ class FullDiffusionScheduler(Scheduler):
         order = sorted(self.running.values(), key=lambda r: self._last_run.get(r.rid, -1))
         budget, picked = self.config.max_prefill_tokens, []
         for req in order:
-            if req.block is None:
+            if req.full.block is None:
                 self._start_block(req)
             lo, hi, _ = self._query(req)
-            cost = (hi - lo) * (2 if req.cfg_scale > 0 else 1)
+            cost = (hi - lo) * (2 if req.full.cfg_scale > 0 else 1)
             if picked and cost > budget:
                 continue
             picked.append(req)
@@ -214,22 +214,22 @@ class FullDiffusionScheduler(Scheduler):
     def _start_block(self, req: Req) -> None:
         start = req.committed_len
         n = min(req.block_size, req.canvas_len - start)
-        req.block = BlockState(start=start, tokens=[self.config.mask_token_id] * n,
+        req.full.block = BlockState(start=start, tokens=[self.config.mask_token_id] * n,
                                editable=[True] * n, num_initial_masks=n)
 
     def _query(self, req: Req) -> tuple[int, int, int]:
         """``(first, end, seq_len)``: the row's query covers cache indices [first, end)."""
-        blk, end = req.block, req.canvas_len
-        if req.cache_mode == "exact" or blk.step == 0:
+        blk, end = req.full.block, req.canvas_len
+        if req.full.cache_mode == "exact" or blk.step == 0:
             return 0, end, end
         first = blk.start
-        if req.cache_mode == "prefix":
+        if req.full.cache_mode == "prefix":
             return first, end, end
         return first, blk.start + len(blk.tokens), end  # dual
 
     def _canvas(self, req: Req, uncond: bool) -> list[int]:
         mask = self.config.mask_token_id
-        blk = req.block
+        blk = req.full.block
         tail = req.canvas_len - blk.start - len(blk.tokens)
         head = [mask] * req.prompt_len if uncond else req.prompt_ids
         return [*head, *req.output_ids, *blk.tokens, *[mask] * tail]
@@ -238,28 +238,29 @@ class FullDiffusionScheduler(Scheduler):
         """Conditional rows first (row i is ``reqs[i]``), then the CFG twins."""
         batch = ScheduledBatch(ForwardMode.EXTEND, kind=StepKind.FULL_STEP,
                                attention_mask=AttentionMask.FULL, logits_mode=LogitsMode.NONE)
-        twins = [r for r in reqs if r.cfg_scale > 0]
+        twins = [r for r in reqs if r.full.cfg_scale > 0]
         rows = [(r, False) for r in reqs] + [(r, True) for r in twins]
         twin_row = {r.rid: len(reqs) + k for k, r in enumerate(twins)}
         for i, (req, uncond) in enumerate(rows):
             first, end, seq_len = self._query(req)
-            pool_idx = req.cfg_pool_idx if uncond else req.req_pool_idx
+            pool_idx = req.full.cfg_pool_idx if uncond else req.req_pool_idx
             batch.add_row(req.rid, pool_idx, self._canvas(req, uncond)[first:end], first, seq_len)
             fields = {
-                "fd.offset": req.block.start - first,
-                "fd.partner": twin_row[req.rid] - i if req.cfg_scale > 0 and not uncond else 0,
+                "fd.offset": req.full.block.start - first,
+                "fd.partner": twin_row[req.rid] - i if req.full.cfg_scale > 0 and not uncond else 0,
                 "fd.uncond": int(uncond),
-                "fd.block_len": len(req.block.tokens),
-                "fd.cfg_scale": float(req.cfg_scale),
-                "fd.first_only": int(self.logits_shift > 0 and req.cache_mode != "exact"
-                                     and req.block.step == 0),
+                "fd.block_len": len(req.full.block.tokens),
+                "fd.cfg_scale": float(req.full.cfg_scale),
+                "fd.first_only": int(self.logits_shift > 0 and req.full.cache_mode != "exact"
+                                     and req.full.block.step == 0),
             }
             for name, value in fields.items():
                 batch.row_inputs.setdefault(name, []).append(value)
-        row_reqs = batch.row_reqs = [r for r, _ in rows]
+        row_reqs = [r for r, _ in rows]
+        batch.rows = [Row(r) for r in row_reqs]
         batch.row_inputs.update(
-            step=[r.block.step for r in row_reqs],
-            num_initial_masks=[r.block.num_initial_masks for r in row_reqs],
+            step=[r.full.block.step for r in row_reqs],
+            num_initial_masks=[r.full.block.num_initial_masks for r in row_reqs],
             **sampling_rows(row_reqs),
             **config_rows(row_reqs),
         )
@@ -274,19 +275,19 @@ class FullDiffusionScheduler(Scheduler):
 
         def apply_row(r: int, req: Req) -> bool:
             # Rows past the stepped requests are CFG twins (no result of their own).
-            if r >= len(result.tokens) or req.block is None:
+            if r >= len(result.tokens) or req.full.block is None:
                 return False
             self._last_run[req.rid] = self._tick
             req.num_forward_passes += 1
             req.num_denoise_forwards += 1
-            blk = req.block
+            blk = req.full.block
             blk.step += 1
             blk.tokens = result.tokens[r][: len(blk.tokens)]
             blk.transfers += result.num_transferred[r]
             blk.algo_state = result.state[r]
             if result.done[r]:
                 req.num_blocks_committed += 1
-                req.block = None
+                req.full.block = None
                 self.commit_tokens(req, blk.tokens)
                 return True
             return False
@@ -305,7 +306,7 @@ class FullDiffusionPost:
         """The requests a batch steps: its leading conditional rows (the CFG twins follow)."""
         inp = batch.row_inputs
         active: list[Req] = []
-        for i, req in enumerate(batch.row_reqs):
+        for i, req in enumerate(row.req for row in batch.rows):
             if inp["fd.uncond"][i]:
                 break
             partner = i + inp["fd.partner"][i]
@@ -319,13 +320,13 @@ class FullDiffusionPost:
     def __init__(self, reqs: list[Req], mask_token_id: int, logits_shift: int,
                  compute_logits: Callable[[torch.Tensor], torch.Tensor]):
         self.reqs = reqs
-        self.width = max((len(r.block.tokens) for r in reqs), default=0)
-        self.any_cfg = any(r.cfg_scale > 0 for r in reqs)
+        self.width = max((len(r.full.block.tokens) for r in reqs), default=0)
+        self.any_cfg = any(r.full.cfg_scale > 0 for r in reqs)
         self.shift = logits_shift
         self.compute_logits = compute_logits
-        self.denoise = DenoisePost.for_reqs(reqs, [r.block for r in reqs], mask_token_id, 0)
+        self.denoise = DenoisePost.for_reqs(reqs, [r.full.block for r in reqs], mask_token_id, 0)
         self.any_first_only = bool(logits_shift) and any(
-            r.cache_mode != "exact" and r.block.step == 0 for r in reqs)
+            r.full.cache_mode != "exact" and r.full.block.step == 0 for r in reqs)
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
                  logits: torch.Tensor | None) -> Any:

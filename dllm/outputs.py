@@ -62,7 +62,7 @@ class EmbeddingOutput:
 
     @classmethod
     def of(cls, req: Req) -> EmbeddingOutput:
-        if req.embedding is None:
+        if req.embed.embedding is None:
             raise RuntimeError(f"request {req.rid} ended without an embedding: "
                                f"{req.error or req.finish_reason}")
-        return cls(req.rid, req.embedding, req.prompt_len)
+        return cls(req.rid, req.embed.embedding, req.prompt_len)

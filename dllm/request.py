@@ -47,13 +47,67 @@ class BlockState:
 
 
 @dataclass
+class DenoiseState:
+    """A diffusion request's own state (block diffusion: SDAR, LLaDA2, Fast-dLLM v2): its
+    unmasking algorithm and validated settings, and the block it is denoising."""
+
+    algorithm: str
+    algo_config: dict[str, Any]
+    block: BlockState | None = None
+
+    def drop_inflight(self) -> None:
+        self.block = None
+
+
+@dataclass
+class FullAttentionState(DenoiseState):
+    """Full-attention diffusion (LLaDA, Dream; ``dllm.full_diffusion``): the canvas is the
+    prompt and ``max_new_tokens`` masks; the request's ``block_size`` is its own (blocks start
+    at the prompt end)."""
+
+    cache_mode: str = "exact"  # "exact" | "prefix" | "dual"
+    cfg_scale: float = 0.0  # > 0: an unconditional twin sequence runs beside the request
+    cfg_pool_idx: int | None = None  # the twin's request slot (its pages are in kv_pages)
+
+
+@dataclass
+class AutoregressiveState:
+    # ``(tokens, row)`` on the device: the token the in-flight forward samples.
+    carry: tuple[torch.Tensor, int] | None = None
+
+    def drop_inflight(self) -> None:
+        self.carry = None
+
+
+@dataclass
+class EmbeddingState:
+    """An embedding request: its options, the running pooled sums across prefill chunks, and
+    the result. It generates nothing."""
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+    pool_state: dict[str, Any] = field(default_factory=dict)
+    embedding: list[float] | None = None
+
+    def drop_inflight(self) -> None:
+        self.pool_state = {}
+
+
+KindState = DenoiseState | FullAttentionState | AutoregressiveState | EmbeddingState
+
+
+@dataclass
 class Req:
+    """What every request has (identity, prompt, settings, memory, progress, output), and in
+    ``state`` what its kind of generation keeps (``DenoiseState``, ``FullAttentionState``,
+    ``AutoregressiveState``, ``EmbeddingState``); the typed views ``denoise``, ``full``,
+    ``ar`` and ``embed`` read it."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    algorithm: str
-    algo_config: dict[str, Any]
-    block_size: int
+    state: KindState
+    block_size: int  # tokens per block: the KV reservation's grain (1 when autoregressive)
     arrival: int = 0  # engine step at which it was added
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -68,39 +122,50 @@ class Req:
     # Forwards launched for this request whose result the host has not applied yet (at most
     # one per step; overlapped scheduling applies a step's results after the next is queued).
     inflight: int = 0
-    # Autoregressive: ``(tokens, row)`` on the device, the token its in-flight forward samples.
-    carry: tuple[torch.Tensor, int] | None = None
-    block: BlockState | None = None
     num_forward_passes: int = 0
     num_denoise_forwards: int = 0
     num_commit_forwards: int = 0
     num_blocks_committed: int = 0
-    # Embedding requests: options, running pooled sums across prefill chunks, the result.
-    is_embedding: bool = False  # pooled, generates nothing
-    embed_normalize: bool | None = None
-    embed_dimensions: int | None = None
-    pool_state: dict[str, Any] = field(default_factory=dict)
-    embedding: list[float] | None = None
     # Per-row numbers of its sampling and algorithm settings (``dllm.denoise``), computed at
     # the first step: they never change while the request runs.
     row_settings: dict[str, float | int] | None = field(default=None, repr=False)
     # The output's text, decoded incrementally (``StopChecker.text_of``): shared by the
     # stop-string search and streaming.
     text: Any = field(default=None, repr=False)
-    # Full-attention diffusion (LLaDA, Dream; ``dllm.full_diffusion``): set for those requests
-    # only. Their canvas is the prompt and ``max_new_tokens`` masks; ``block_size`` is the
-    # request's own (blocks start at the prompt end).
-    cache_mode: str | None = None  # "exact" | "prefix" | "dual"
-    cfg_scale: float = 0.0  # > 0: an unconditional twin sequence runs beside the request
-    cfg_pool_idx: int | None = None  # the twin's request slot (its pages are in kv_pages)
+
+    def _view(self, kind: type) -> Any:
+        if not isinstance(self.state, kind):
+            raise TypeError(f"request {self.rid!r} is a {type(self.state).__name__} request, "
+                            f"not a {kind.__name__} one")
+        return self.state
+
+    @property
+    def denoise(self) -> DenoiseState:
+        return self._view(DenoiseState)
+
+    @property
+    def full(self) -> FullAttentionState:
+        return self._view(FullAttentionState)
+
+    @property
+    def ar(self) -> AutoregressiveState:
+        return self._view(AutoregressiveState)
+
+    @property
+    def embed(self) -> EmbeddingState:
+        return self._view(EmbeddingState)
+
+    @property
+    def is_full_attention(self) -> bool:
+        return isinstance(self.state, FullAttentionState)
+
+    @property
+    def is_embedding(self) -> bool:
+        return isinstance(self.state, EmbeddingState)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def is_full_attention(self) -> bool:
-        return self.cache_mode is not None
 
     @property
     def canvas_len(self) -> int:

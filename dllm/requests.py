@@ -14,7 +14,14 @@ from typing import Any
 from dllm.algorithms import get_algorithm
 from dllm.checkpoint import ModelInfo
 from dllm.full_diffusion import resolve_request
-from dllm.request import Req
+from dllm.request import (
+    AutoregressiveState,
+    DenoiseState,
+    EmbeddingState,
+    FullAttentionState,
+    KindState,
+    Req,
+)
 from dllm.sampling_params import SamplingParams, check_engine_keys
 
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -123,17 +130,17 @@ class RequestFactory:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context length of {self.context_length}")
-        name, algo_config, extra = self._settings(params)
+        state, block_size = self._state(params)
         if params.seed is None:  # a copy: the caller may reuse one params object
             params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**31))
-        req = Req(rid=self._rid(rid), prompt_ids=ids, params=params, algorithm=name,
-                  algo_config=algo_config, arrival=self.clock(), **extra)
+        req = Req(rid=self._rid(rid), prompt_ids=ids, params=params, state=state,
+                  block_size=block_size, arrival=self.clock())
         self.check_fits(req)
         return req
 
-    def _settings(self, params: SamplingParams) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        """The request's algorithm, its validated settings, and the ``Req`` fields of its
-        kind (block size; for full attention also cache mode and CFG scale)."""
+    def _state(self, params: SamplingParams) -> tuple[KindState, int]:
+        """The request's state of its kind (the algorithm and its validated settings; for
+        full attention also the cache mode and CFG scale) and its block size."""
         lay = self.layout
         dllm = dict(params.dllm)
         name = dllm.pop("algorithm", None) or lay.algorithm_name
@@ -141,17 +148,16 @@ class RequestFactory:
         if lay.full_attention:
             layout = resolve_request(merged, get_algorithm(name), lay.canvas_block_size,
                                      params.max_new_tokens)
-            return name, layout.algo_config, {"block_size": layout.block_size,
-                                              "cache_mode": layout.cache_mode,
-                                              "cfg_scale": layout.cfg_scale}
-        extra = {"block_size": lay.block_size}
+            return FullAttentionState(name, layout.algo_config, cache_mode=layout.cache_mode,
+                                      cfg_scale=layout.cfg_scale), layout.block_size
         if lay.mask_token_id is not None:
             self._check_block_diffusion_keys(merged)
-            return name, get_algorithm(name).validate(merged, lay.block_size), extra
+            config = get_algorithm(name).validate(merged, lay.block_size)
+            return DenoiseState(name, config), lay.block_size
         if dllm:
             raise ValueError(f"dllm settings apply to diffusion models; "
                              f"{self.info.architecture} is autoregressive")
-        return name, {}, extra
+        return AutoregressiveState(), lay.block_size
 
     def _check_block_diffusion_keys(self, merged: dict[str, Any]) -> None:
         """Full-attention settings mean nothing to a block-causal model: its block size is
@@ -182,8 +188,7 @@ class RequestFactory:
             raise ValueError(f"input ({len(ids)} tokens) exceeds the context length of "
                              f"{self.context_length}")
         req = Req(rid=self._rid(rid), prompt_ids=ids, params=SamplingParams(max_new_tokens=1),
-                  algorithm=self.layout.algorithm_name, algo_config={}, block_size=1,
-                  arrival=self.clock(), is_embedding=True, embed_dimensions=dimensions,
-                  embed_normalize=normalize)
+                  state=EmbeddingState(normalize, dimensions), block_size=1,
+                  arrival=self.clock())
         self.check_fits(req)
         return req

@@ -12,12 +12,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dllm.request import FinishReason, Req, ReqStatus
+from dllm.request import BlockState, FinishReason, Req, ReqStatus
 from dllm.runner.forward_batch import ScheduledBatch
 from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 from dllm.stop import StopChecker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A scheduled row as its scheduler knows it: the request it was built for and, for a
+    denoise row, the block it denoises (the request may have moved on to the next block by
+    the time the result applies)."""
+
+    req: Req
+    block: BlockState | None = None
 
 
 @dataclass(frozen=True)
@@ -121,8 +131,8 @@ class Scheduler(ABC):
         req.finish_reason = reason
         req.error = error
         req.status = ReqStatus.FINISHED
-        req.block = None
-        req.inflight, req.carry = 0, None  # a result still queued for it is dropped
+        req.inflight = 0  # a result still queued for it is dropped
+        req.state.drop_inflight()
         self.running.pop(req.rid, None)
         if req.req_pool_idx is not None:
             self.req_pool.free(req.req_pool_idx)
@@ -171,7 +181,7 @@ class Scheduler(ABC):
         """The running request row ``i`` was built for; None once it finished (a new request
         may since run under the same id)."""
         req = self.running.get(batch.rids[i])
-        if req is None or (batch.row_reqs and batch.row_reqs[i] is not req):
+        if req is None or (batch.rows and batch.rows[i].req is not req):
             return None
         return req
 

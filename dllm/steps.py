@@ -44,8 +44,8 @@ def step_specs(mask_token_id: int | None, logits_shift: int,
         StepKind.PREFILL: StepSpec(lambda b: None, read=_unread),
         StepKind.FIRST_TOKEN: StepSpec(lambda b: _greedy_last, read=HostCopy),
         StepKind.DENOISE: StepSpec(
-            lambda b: DenoisePost.for_reqs(b.row_reqs, b.row_state, mask_token_id,
-                                           logits_shift),
+            lambda b: DenoisePost.for_reqs([r.req for r in b.rows], [r.block for r in b.rows],
+                                           mask_token_id, logits_shift),
             read=_read_denoise,
             capture=lambda bs, group, flags: DenoisePost(
                 {group: list(range(bs))}, bs, mask_token_id, logits_shift, flags)),

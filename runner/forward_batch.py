@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -118,8 +118,11 @@ class StepKind(str, enum.Enum):
     POOL = "pool"  # embeddings: pooled hidden states
 
 
+RowT = TypeVar("RowT")
+
+
 @dataclass
-class ScheduledBatch:
+class ScheduledBatch(Generic[RowT]):
     """The scheduler's CPU batch: host lists only, built without touching the device.
 
     ``row_inputs`` are per-request numbers (``[bs]``) and ``token_inputs`` per-token numbers
@@ -151,12 +154,11 @@ class ScheduledBatch:
     # ``carry[row_inputs["carry_row"][i]]`` where that is >= 0, else its host ``input_ids``.
     # Only for batches whose rows all have ``tokens_per_row`` tokens (denoise, decode).
     carry: torch.Tensor | None = None
-    # The scheduler's own per-row objects, handed back with the batch when its result is
-    # applied; the runner never reads them: the request of each row (a result applied a step
-    # late must not reach a new request that reuses a finished one's id) and its state (e.g.
-    # the block each row denoises).
-    row_reqs: list = field(default_factory=list)
-    row_state: list = field(default_factory=list)
+    # The scheduler's own object of each row (``RowT``: ``dllm.scheduler.Row``, the request
+    # and the block it denoises), handed back with the batch when its result is applied; the
+    # runner never reads them. A result applied a step late must not reach a new request
+    # that reuses a finished one's id.
+    rows: list[RowT] = field(default_factory=list)
     # What the forward is for: its post-step, and how the scheduler applies its result.
     kind: StepKind = StepKind.PREFILL
 
@@ -193,7 +195,7 @@ class ScheduledBatch:
             token_inputs={k: v[start:end] for k, v in self.token_inputs.items()},
             row_tensors={k: v[i : i + 1] for k, v in self.row_tensors.items()},
             row_groups=self.row_groups[i : i + 1], carry=self.carry,
-            row_reqs=self.row_reqs[i : i + 1], row_state=self.row_state[i : i + 1],
+            rows=self.rows[i : i + 1],
         )
         one.add_row(self.rids[i], self.req_pool_indices[i], self.input_ids[start:end],
                     self.prefix_lens[i], self.seq_lens[i])

@@ -147,7 +147,7 @@ def test_abort_mid_block_frees_memory(llm):
     e.add_request(req)
     for _ in range(3):
         e.step()
-    assert req.block is not None and 0 < req.block.step < 4  # mid-block
+    assert req.denoise.block is not None and 0 < req.denoise.block.step < 4  # mid-block
     assert e.kv_pool.num_used_pages > 0
     e.abort(req.rid)
     assert req.finish_reason is FinishReason.ABORT

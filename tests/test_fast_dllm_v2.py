@@ -116,8 +116,8 @@ def test_commit_forward_brings_the_next_blocks_first_token(llm):
         e.step()
     assert len(req.output_ids) == B - 5 + 1
     e.step()
-    assert req.block.start == B and req.block.tokens[0] == req.output_ids[-1]
-    assert req.block.editable[0] is False and req.block.num_initial_masks == B - 1
+    assert req.denoise.block.start == B and req.denoise.block.tokens[0] == req.output_ids[-1]
+    assert req.denoise.block.editable[0] is False and req.denoise.block.num_initial_masks == B - 1
     e.abort(req.rid)
     e.check_memory()
 

@@ -240,7 +240,7 @@ def test_abort_cfg_request_mid_block_frees_both_sequences(engines):
                                                  "cfg_scale": 1.0}))
     e.add_request(req)
     e.step()
-    assert req.cfg_pool_idx is not None and req.block is not None and req.block.step == 1
+    assert req.full.cfg_pool_idx is not None and req.full.block is not None and req.full.block.step == 1
     assert e.req_pool.num_free == e.req_pool.max_reqs - 2
     assert len(req.kv_pages) == 2 * e.kv_pool.pages_for(14)
     e.abort(req.rid)
@@ -299,13 +299,13 @@ def test_defaults(engines, tmp_path):
     assert llada.algorithm_config["gumbel_fp64"] is True
     assert dream.algorithm_name == "entropy"
     req = llada.make_request([5, 6], SamplingParams(max_new_tokens=100))
-    assert (req.block_size, req.cache_mode, req.cfg_scale, req.reserved_len) == (32, "exact",
+    assert (req.block_size, req.full.cache_mode, req.full.cfg_scale, req.reserved_len) == (32, "exact",
                                                                                  0.0, 102)
     assert llada.make_request([5], SamplingParams(max_new_tokens=8)).block_size == 8
     assert dream.make_request([5], SamplingParams(max_new_tokens=100)).block_size == 100
     one = LLM(str(make_tiny_checkpoint("LLaDAModelLM", tmp_path, seed=1)),
               max_running_requests=1, algorithm_config={"cache_mode": "prefix"}).engine
-    assert one.make_request([5], SamplingParams()).cache_mode == "prefix"
+    assert one.make_request([5], SamplingParams()).full.cache_mode == "prefix"
     with pytest.raises(ValueError, match="two request slots"):
         one.add_request(one.make_request([5], SamplingParams(dllm={"cfg_scale": 1.0})))
 

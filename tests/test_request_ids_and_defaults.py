@@ -50,7 +50,7 @@ def test_server_default_max_tokens_is_known_before_the_layout(tmp_path):
         llm.shutdown()
     assert req.params.max_new_tokens == DEFAULT_MAX_TOKENS
     assert req.block_size == 32  # LLaDA's default block, not a block of one token
-    assert req.algo_config["steps_per_block"] == 32
+    assert req.denoise.algo_config["steps_per_block"] == 32
 
 
 def test_cuda_graph_batch_sizes_flag_and_validation():
