@@ -159,6 +159,8 @@ def causal_conv(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tenso
     multiplying the current input. Returns ``silu(conv) [T, C]`` and the new state: the last
     ``K − 1`` inputs of ``[state, xbc]``."""
     k = weight.shape[-1]
+    if xbc.shape[0] == 0:
+        return xbc, conv_state.clone()
     window = torch.cat([conv_state.to(xbc.dtype).t(), xbc], dim=0)  # [K-1+T, C]
     taps = window.unfold(0, k, 1)  # [T, C, K]: taps[t, c, j] = window[t + j, c]
     out = (taps * weight).sum(-1)
@@ -234,7 +236,7 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     dtype (the files multiply ``weight`` by the fp32 result cast to the input dtype)."""
     h = y.float() * F.silu(z.float())
     shape = h.shape
-    h = h.view(*shape[:-1], -1, group_size)
+    h = h.view(*shape[:-1], shape[-1] // group_size, group_size)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.view(shape).to(weight.dtype)
 
