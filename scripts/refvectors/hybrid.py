@@ -64,6 +64,7 @@ CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("granite_h_tiny", "granite-h-tiny", {}),
     ("bamba", "bamba", {}),
     ("mamba2", "mamba2", {}),
+    ("nemotron_h", "nemotron-h", {}),  # not in transformers 4.x: from tests/naive_hybrid.py
 )
 
 
@@ -184,6 +185,39 @@ def mixer_vectors(model: torch.nn.Module, arch: str) -> dict[str, Any]:
     }
 
 
+def write_naive(out_dir: Path, name: str, layout: str, path: Path,
+                prompts: list[list[int]]) -> None:
+    """Nemotron-H has no transformers 4.x class: its vectors are the naive reference's
+    (``tests/naive_hybrid.py``, written from the published math, float64): greedy ids by full
+    recompute at every step, and the full-forward logits."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import naive_hybrid
+
+    loaded = naive_hybrid.load(path)
+    outputs = [naive_hybrid.naive_greedy(path, p, NEW_TOKENS) for p in prompts]
+    logits = []
+    for i in LOGIT_PROMPTS:
+        ids = prompts[i] + outputs[i]
+        out = naive_hybrid.naive_logits(path, ids, loaded=loaded)
+        logits.append({"prompt": i, "tokens": ids, "shape": list(out.shape),
+                       "float32_b64": b64(out)})
+    record = {
+        "format": FORMAT_VERSION, "name": f"hybrid_{name}",
+        "reference": "tests/naive_hybrid.py (NemotronHForCausalLM from the published math)",
+        "reference_commit": "this repository", "command": COMMAND,
+        "checkpoint": {"layout": layout, "architecture": "NemotronHForCausalLM", "seed": SEED,
+                       "overrides": {}, "weights_sha256": weights_digest(path)},
+        "settings": {"max_new_tokens": NEW_TOKENS, "greedy": True, "eos_token_id": None,
+                     "dtype": "float64"},
+        "prompts": prompts, "outputs": outputs, "logits": logits,
+        "notes": "greedy by full recompute; logits stored as float32",
+    }
+    with open(out_dir / f"hybrid_{name}.json", "w", encoding="utf-8") as f:
+        json.dump(record, f, separators=(",", ":"))
+        f.write("\n")
+    print(f"hybrid_{name}.json: outputs {outputs[0][:6]}... (naive reference)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "tests" / "data" / "refvectors")
@@ -198,8 +232,11 @@ def main() -> None:
         path = make_tiny_hybrid_checkpoint(layout, args.work / name, seed=SEED, **overrides)
         config = json.loads((path / "config.json").read_text())
         arch = config["architectures"][0]
-        model = load(path)
         prompts = prompts_for(config, first_added_id(path))
+        if arch == "NemotronHForCausalLM":
+            write_naive(args.out, name, layout, path, prompts)
+            continue
+        model = load(path)
         with torch.no_grad():
             alone, batched = generate(model, prompts, pad=config["pad_token_id"])
             if alone != batched:
