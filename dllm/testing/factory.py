@@ -385,3 +385,288 @@ def make_tiny_checkpoint(architecture: str, path: str | Path, seed: int = 0, *, 
     _save(path, tensors, shards)
     _write_tokenizer(path, tok, release.tokenizer)
     return path
+
+
+# =============================================================================================
+# Hybrid Mamba2 + attention checkpoints (issue 20): ``families.HYBRID_RELEASES``
+# =============================================================================================
+#
+# Tensor names as the released checkpoints store them, verified against transformers 4.57's
+# modeling files (granitemoehybrid, bamba, mamba2) and NVIDIA's hub ``modeling_nemotron_h.py``.
+
+from dllm.testing.families import HYBRID_LAYOUTS, HYBRID_RELEASES  # noqa: E402
+
+
+def _mamba2_mixer_tensors(prefix: str, hidden: int, heads: int, head_dim: int, groups: int,
+                          state: int, kernel: int, conv_bias: bool, proj_bias: bool
+                          ) -> TensorList:
+    """``in_proj`` (z | xBC | dt), depthwise ``conv1d`` ``[conv_dim, 1, K]``, per-head
+    ``dt_bias``, ``A_log``, ``D``, the gated norm's ``norm.weight`` and ``out_proj``."""
+    inter = heads * head_dim
+    conv_dim = inter + 2 * groups * state
+    out: TensorList = [(f"{prefix}.in_proj.weight", (inter + conv_dim + heads, hidden), "linear")]
+    if proj_bias:
+        out.append((f"{prefix}.in_proj.bias", (inter + conv_dim + heads,), "bias"))
+    out.append((f"{prefix}.conv1d.weight", (conv_dim, 1, kernel), "conv"))
+    if conv_bias:
+        out.append((f"{prefix}.conv1d.bias", (conv_dim,), "bias"))
+    out += [(f"{prefix}.dt_bias", (heads,), "dt_bias"), (f"{prefix}.A_log", (heads,), "A_log"),
+            (f"{prefix}.D", (heads,), "D"), (f"{prefix}.norm.weight", (inter,), "norm"),
+            (f"{prefix}.out_proj.weight", (hidden, inter), "linear")]
+    if proj_bias:
+        out.append((f"{prefix}.out_proj.bias", (hidden,), "bias"))
+    return out
+
+
+def _attention_tensors(prefix: str, hidden: int, heads: int, kv: int, d: int,
+                       bias: bool = False) -> TensorList:
+    out: TensorList = []
+    for name, rows in (("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)):
+        out.append((f"{prefix}.{name}.weight", (rows, hidden), "linear"))
+        if bias:
+            out.append((f"{prefix}.{name}.bias", (rows,), "bias"))
+    out.append((f"{prefix}.o_proj.weight", (hidden, heads * d), "linear"))
+    if bias:
+        out.append((f"{prefix}.o_proj.bias", (hidden,), "bias"))
+    return out
+
+
+def _granite_mamba_dims(c: dict[str, Any]) -> tuple[int, int]:
+    heads = c["mamba_n_heads"]
+    head_dim = c.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = int(c.get("mamba_expand", 2) * c["hidden_size"]) // heads
+    return heads, head_dim
+
+
+def _granite_hybrid_tensors(c: dict[str, Any]) -> TensorList:
+    """GraniteMoeHybrid: ``model.layers.{i}.{input_layernorm, post_attention_layernorm}``, a
+    ``mamba`` or a ``self_attn`` mixer by ``layer_types``, ``shared_mlp.{input_linear,
+    output_linear}`` (gate | up fused) and, when ``num_local_experts > 0``,
+    ``block_sparse_moe.{router.layer, input_linear, output_linear}`` with the experts stacked
+    ``[E, out, in]``."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv, d = c.get("num_key_value_heads") or heads, h // heads
+    mh, md = _granite_mamba_dims(c)
+    experts, inter, shared = c.get("num_local_experts", 0), c["intermediate_size"], \
+        c["shared_intermediate_size"]
+    out = _hf_head(c, h)
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", (h,), "norm"),
+                (f"{p}.post_attention_layernorm.weight", (h,), "norm")]
+        if kind == "mamba":
+            out += _mamba2_mixer_tensors(f"{p}.mamba", h, mh, md, c["mamba_n_groups"],
+                                         c["mamba_d_state"], c["mamba_d_conv"],
+                                         c.get("mamba_conv_bias", True),
+                                         c.get("mamba_proj_bias", False))
+        else:
+            out += _attention_tensors(f"{p}.self_attn", h, heads, kv, d,
+                                      c.get("attention_bias", False))
+        if experts:
+            out += [(f"{p}.block_sparse_moe.router.layer.weight", (experts, h), "router"),
+                    (f"{p}.block_sparse_moe.input_linear.weight", (experts, 2 * inter, h),
+                     "linear"),
+                    (f"{p}.block_sparse_moe.output_linear.weight", (experts, h, inter),
+                     "linear")]
+        out += [(f"{p}.shared_mlp.input_linear.weight", (2 * shared, h), "linear"),
+                (f"{p}.shared_mlp.output_linear.weight", (h, shared), "linear")]
+    return out
+
+
+def _bamba_tensors(c: dict[str, Any]) -> TensorList:
+    """Bamba: ``model.layers.{i}.{input_layernorm, pre_ff_layernorm}``, ``mamba`` or
+    ``self_attn`` (attention at ``attn_layer_indices``), ``feed_forward.{gate,up,down}_proj``;
+    ``model.final_layernorm``."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv, d = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+    mh, md = _granite_mamba_dims(c)
+    vocab = c["vocab_size"]
+    out: TensorList = [("model.embed_tokens.weight", (vocab, h), "embed"),
+                       ("model.final_layernorm.weight", (h,), "norm")]
+    if not c.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (vocab, h), "head"))
+    attn = set(c.get("attn_layer_indices") or [])
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", (h,), "norm"),
+                (f"{p}.pre_ff_layernorm.weight", (h,), "norm")]
+        if i in attn:
+            out += _attention_tensors(f"{p}.self_attn", h, heads, kv, d)
+        else:
+            out += _mamba2_mixer_tensors(f"{p}.mamba", h, mh, md, c["mamba_n_groups"],
+                                         c["mamba_d_state"], c["mamba_d_conv"],
+                                         c.get("mamba_conv_bias", True),
+                                         c.get("mamba_proj_bias", False))
+        out += _hf_mlp(f"{p}.feed_forward", h, c["intermediate_size"])
+    return out
+
+
+def _backbone_head(c: dict[str, Any]) -> TensorList:
+    vocab, h = c["vocab_size"], c["hidden_size"]
+    out: TensorList = [("backbone.embeddings.weight", (vocab, h), "embed"),
+                       ("backbone.norm_f.weight", (h,), "norm")]
+    if not c.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (vocab, h), "head"))
+    return out
+
+
+def _nemotron_h_tensors(c: dict[str, Any]) -> TensorList:
+    """Nemotron-H (hub names): ``backbone.embeddings``, ``backbone.layers.{i}.norm`` and one
+    ``mixer`` per layer by ``hybrid_override_pattern``: ``M`` Mamba2, ``*`` attention
+    (``q/k/v/o_proj``), ``-`` relu² MLP (``up_proj``, ``down_proj``), ``E`` MoE
+    (``gate.weight``, ``gate.e_score_correction_bias``, ``experts.{e}.{up,down}_proj``,
+    ``shared_experts.{up,down}_proj``); ``backbone.norm_f``, ``lm_head``."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv, d = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+    out = _backbone_head(c)
+
+    def mlp(p: str, inter: int) -> TensorList:
+        return [(f"{p}.up_proj.weight", (inter, h), "linear"),
+                (f"{p}.down_proj.weight", (h, inter), "linear")]
+
+    for i, kind in enumerate(c["hybrid_override_pattern"]):
+        p = f"backbone.layers.{i}"
+        out.append((f"{p}.norm.weight", (h,), "norm"))
+        m = f"{p}.mixer"
+        if kind == "M":
+            out += _mamba2_mixer_tensors(m, h, c["mamba_num_heads"], c["mamba_head_dim"],
+                                         c["n_groups"], c["ssm_state_size"], c["conv_kernel"],
+                                         c.get("use_conv_bias", True),
+                                         c.get("mamba_proj_bias", False))
+        elif kind == "*":
+            out += _attention_tensors(m, h, heads, kv, d, c.get("attention_bias", False))
+        elif kind == "-":
+            out += mlp(m, c["intermediate_size"])
+        elif kind == "E":
+            e = c["n_routed_experts"]
+            out += [(f"{m}.gate.weight", (e, h), "router"),
+                    (f"{m}.gate.e_score_correction_bias", (e,), "expert_bias")]
+            for j in range(e):
+                out += mlp(f"{m}.experts.{j}", c["moe_intermediate_size"])
+            out += mlp(f"{m}.shared_experts", c["moe_shared_expert_intermediate_size"])
+        else:
+            raise ValueError(f"unknown layer kind {kind!r} in hybrid_override_pattern")
+    return out
+
+
+def _mamba2_tensors(c: dict[str, Any]) -> TensorList:
+    """Mamba2ForCausalLM: ``backbone.embeddings``, ``backbone.layers.{i}.{norm, mixer.*}``,
+    ``backbone.norm_f``, ``lm_head``."""
+    h = c["hidden_size"]
+    out = _backbone_head(c)
+    for i in range(c["num_hidden_layers"]):
+        p = f"backbone.layers.{i}"
+        out.append((f"{p}.norm.weight", (h,), "norm"))
+        out += _mamba2_mixer_tensors(f"{p}.mixer", h, c["num_heads"], c["head_dim"],
+                                     c["n_groups"], c["state_size"], c["conv_kernel"],
+                                     c.get("use_conv_bias", True), c.get("use_bias", False))
+    return out
+
+
+HYBRID_TENSORS: dict[str, Callable[[dict[str, Any]], TensorList]] = {
+    "GraniteMoeHybridForCausalLM": _granite_hybrid_tensors,
+    "BambaForCausalLM": _bamba_tensors,
+    "NemotronHForCausalLM": _nemotron_h_tensors,
+    "Mamba2ForCausalLM": _mamba2_tensors,
+}
+assert set(HYBRID_TENSORS) == set(HYBRID_RELEASES)
+
+
+def _init_hybrid_tensor(kind: str, shape: tuple[int, ...], gen: torch.Generator
+                        ) -> torch.Tensor:
+    """The SSM parameters in the ranges trained Mamba2 layers use, so the recurrence has
+    decays from fast to slow: ``dt_bias`` = softplus⁻¹ of a log-uniform step in [0.01, 0.3],
+    ``A_log`` = log of a uniform rate in [1, 16] (A = −exp(A_log)), ``D`` around 1, the conv
+    taps of unit-order gain."""
+    if kind == "dt_bias":
+        lo, hi = math.log(0.01), math.log(0.3)
+        dt = torch.exp(lo + (hi - lo) * torch.rand(shape, generator=gen))
+        return dt + torch.log(-torch.expm1(-dt))
+    if kind == "A_log":
+        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen))
+    if kind == "D":
+        return 1.0 + 0.2 * torch.randn(shape, generator=gen)
+    if kind == "conv":
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    if kind == "tied_embed":  # one law for every row: no row norm outgrows the others
+        return HEAD_STD * torch.randn(shape, generator=gen)
+    return _init_tensor(kind, shape, gen)
+
+
+GRANITE_BRANCH_OVER_EMBED = 4.0
+
+
+def _hybrid_gains(architecture: str, config: dict[str, Any]) -> dict[str, float]:
+    """Weight gains by tensor-name suffix. Granite's μP multipliers (``embedding_multiplier``
+    12, ``residual_multiplier`` 0.22, ``logits_scaling`` 8 on a tied head) make the usual
+    random weights a context-free model: the ×12 embedding swamps the ×0.22 residual branches
+    and the tied head's logits, divided by 8, are flat. So the tiny Granite's embedding (its
+    head) is ``logits_scaling`` times the factory's head law, and the residual branches' output
+    projections carry the gain that brings them to ``GRANITE_BRANCH_OVER_EMBED`` times the
+    scaled embedding (a tied head otherwise predicts the current token again: greedy output
+    repeats one token)."""
+    if architecture != "GraniteMoeHybridForCausalLM":
+        return {}
+    head = float(config.get("logits_scaling", 1.0))
+    branch = (GRANITE_BRANCH_OVER_EMBED * float(config.get("embedding_multiplier", 1.0))
+              * head * HEAD_STD
+              / float(config.get("residual_multiplier", 1.0)))
+    return {"embed_tokens.weight": head, "lm_head.weight": head, "out_proj.weight": branch,
+            "o_proj.weight": branch, "output_linear.weight": branch}
+
+
+def _gain(name: str, gains: dict[str, float]) -> float:
+    return next((g for suffix, g in gains.items() if name.endswith(suffix)), 1.0)
+
+
+def supported_hybrid_layouts() -> list[str]:
+    return sorted(HYBRID_LAYOUTS)
+
+
+def make_tiny_hybrid_checkpoint(layout: str, path: str | Path, seed: int = 0, *,
+                                shards: int = 1, dtype: str = "float32",
+                                **config_overrides: Any) -> Path:
+    """``make_tiny_checkpoint`` for the hybrid architectures: ``layout`` is a key of
+    ``families.HYBRID_LAYOUTS`` (``granite-h-micro``, ``granite-h-tiny``, ``bamba``,
+    ``nemotron-h``, ``mamba2``) or an architecture of ``HYBRID_RELEASES``. Same files, same
+    tokenizer, same deterministic weights in ``seed``."""
+    if layout in HYBRID_RELEASES:
+        architecture, base = layout, HYBRID_RELEASES[layout].config
+    elif layout in HYBRID_LAYOUTS:
+        architecture, base = HYBRID_LAYOUTS[layout]
+    else:
+        raise ValueError(f"no tiny hybrid checkpoint recipe for {layout!r}; known: "
+                         f"{', '.join(supported_hybrid_layouts() + sorted(HYBRID_RELEASES))}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+    release = HYBRID_RELEASES[architecture]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    tok = build_tokenizer(release.tokenizer.added)
+    ids = {t: tok.token_to_id(t) for t, _ in release.tokenizer.added}
+    config = _resolve(base, ids)
+    config["torch_dtype"] = dtype
+    config.update(config_overrides)
+    if "hybrid_override_pattern" in config:
+        config["num_hidden_layers"] = len(config["hybrid_override_pattern"])
+    if "layer_types" in config:
+        config["num_hidden_layers"] = len(config["layer_types"])
+
+    gen = torch.Generator().manual_seed(seed)
+    torch_dtype = _DTYPES[dtype]
+    gains = _hybrid_gains(architecture, config)
+    tied = config.get("tie_word_embeddings", False)
+    tensors = {name: (_init_hybrid_tensor("tied_embed" if tied and kind == "embed" else kind,
+                                          shape, gen) * _gain(name, gains))
+               .to(torch_dtype).contiguous()
+               for name, shape, kind in HYBRID_TENSORS[architecture](config)}
+
+    _dump(path / "config.json", config)
+    _dump(path / "generation_config.json",
+          {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if config.get(k) is not None})
+    _save(path, tensors, shards)
+    _write_tokenizer(path, tok, release.tokenizer)
+    return path

@@ -403,3 +403,163 @@ RELEASES: dict[str, Release] = {
     "Qwen2ForCausalLM": Release(None, QWEN2_CONFIG, QWEN_TOKENIZER),
     "LlamaForCausalLM": Release(None, LLAMA_CONFIG, LLAMA_TOKENIZER),
 }
+
+
+# =============================================================================================
+# Hybrid Mamba2 + attention architectures (issue 20). Kept apart from ``RELEASES`` until the
+# engine serves them (``RELEASES`` must equal the engine's registry); the factory builds them
+# with ``make_tiny_hybrid_checkpoint``.
+#
+# The released ``config.json`` files of these checkpoints were not found in any public copy
+# the search tools hold (hub downloads are not reachable here), so none is kept under
+# tests/data/configs. The keys below are the ones each architecture's model code and config
+# class read (transformers 4.57 ``GraniteMoeHybridConfig``, ``BambaConfig``, ``Mamba2Config``;
+# NVIDIA's hub ``configuration_nemotron_h.py`` for Nemotron-H), with the released values where
+# public secondary sources quote them (noted at each), and tiny sizes. Sizes deliberately
+# exercise the math: ``n_groups`` 2 (> 1, heads a multiple of groups), conv kernel 4, a chunk
+# of 8 tokens (prompts cross several chunks), mamba and attention layers mixed, top-2 MoE.
+# =============================================================================================
+
+# ---- ibm-granite/granite-4.0-h-micro (dense: only shared_mlp) ------------------------------
+# Released values quoted by public copies: embedding_multiplier 12, residual_multiplier 0.22,
+# attention_multiplier 1/head_dim (0.015625 at head_dim 64; here head_dim 16), NoPE attention,
+# tied embeddings, rms_norm_eps 1e-5, mamba_d_conv 4, mamba_expand 2, mamba_n_groups 1
+# (2 here), mamba_chunk_size 256 (8 here), num_local_experts 0.
+GRANITE_H_MICRO_CONFIG: dict[str, Any] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "attention_bias": False, "attention_dropout": 0.0, "attention_multiplier": 0.0625,
+    "bos_token_id": Tok("<|end_of_text|>"), "eos_token_id": Tok("<|end_of_text|>"),
+    "pad_token_id": Tok("<|pad|>"), "embedding_multiplier": 12.0, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.1, "intermediate_size": 32,
+    "layer_types": ["mamba", "attention", "mamba", "mamba"], "logits_scaling": 8.0,
+    "mamba_chunk_size": 8, "mamba_conv_bias": True, "mamba_d_conv": 4, "mamba_d_head": 16,
+    "mamba_d_state": 16, "mamba_expand": 2, "mamba_n_groups": 2, "mamba_n_heads": 8,
+    "mamba_proj_bias": False, "max_position_embeddings": 131072,
+    "normalization_function": "rmsnorm", "num_attention_heads": 4, "num_experts_per_tok": 0,
+    "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 0,
+    "output_router_logits": False, "position_embedding_type": "nope",
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 10000, "router_aux_loss_coef": 0.01, "shared_intermediate_size": 96,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 512,
+}
+# ---- ibm-granite/granite-4.0-h-tiny (MoE: block_sparse_moe + shared_mlp in every layer) ----
+# Quoted released values: 64 experts, top-6 (4 and 2 here), intermediate_size 512 per expert,
+# shared_intermediate_size 1024, logits_scaling 6.
+GRANITE_H_TINY_CONFIG: dict[str, Any] = {
+    **GRANITE_H_MICRO_CONFIG, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "intermediate_size": 32, "shared_intermediate_size": 64, "logits_scaling": 6.0,
+    "layer_types": ["mamba", "mamba", "attention", "mamba"],
+}
+_GRANITE_ADDED = (("<|pad|>", True), ("<|end_of_text|>", True), ("<|start_of_role|>", True),
+                  ("<|end_of_role|>", True), ("<|tool_call|>", True))
+GRANITE_H_TOKENIZER = TokenizerSpec(
+    # The role and end tokens of the Granite chat format; the release's tokenizer files (ids,
+    # the rest of its added tokens, its chat template) were not found.
+    added=_GRANITE_ADDED,
+    config={"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|end_of_text|>",
+            "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>", "unk_token": None,
+            "model_max_length": 1000000000000000019884624838656,
+            "clean_up_tokenization_spaces": False},
+    special_map={"bos_token": _sp("<|end_of_text|>"), "eos_token": _sp("<|end_of_text|>"),
+                 "pad_token": _sp("<|pad|>")},
+)
+
+# ---- ibm-ai-platform/Bamba-9B ----------------------------------------------------------------
+# Quoted released values: 32 layers with attention at [9, 18, 27], hidden 4096, 32 heads and
+# 8 KV heads, mamba_d_state 128, attn_rotary_emb 64 (half of head_dim 128: transformers 4.57
+# fixes partial_rotary_factor = 0.5 and rope_theta = 10000 in BambaConfig and ignores this
+# key), mamba_n_heads 128, mamba_d_head 64, untied embeddings.
+BAMBA_CONFIG: dict[str, Any] = {
+    "architectures": ["BambaForCausalLM"], "model_type": "bamba", "attention_dropout": 0.0,
+    "attn_layer_indices": [1, 3], "attn_rotary_emb": 8,
+    "bos_token_id": Tok("<|begin_of_text|>"), "eos_token_id": Tok("<|end_of_text|>"),
+    "pad_token_id": Tok("<|end_of_text|>"), "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 128, "mamba_chunk_size": 8,
+    "mamba_conv_bias": True, "mamba_d_conv": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+    "mamba_expand": 2, "mamba_n_groups": 2, "mamba_n_heads": 8, "mamba_proj_bias": False,
+    "max_position_embeddings": 262144, "num_attention_heads": 4, "num_hidden_layers": 5,
+    "num_key_value_heads": 2, "num_logits_to_keep": 1, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_mamba_kernels": True, "vocab_size": 512,
+}
+BAMBA_TOKENIZER = TokenizerSpec(
+    added=(("<|begin_of_text|>", True), ("<|end_of_text|>", True)),
+    config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>", "pad_token": "<|end_of_text|>",
+            "unk_token": None, "model_max_length": 131072,
+            "clean_up_tokenization_spaces": False},
+    special_map={"bos_token": _sp("<|begin_of_text|>"), "eos_token": _sp("<|end_of_text|>"),
+                 "pad_token": _sp("<|end_of_text|>")},
+)
+
+# ---- nvidia/Nemotron-H-8B-Base-8K (not in transformers 4.x: the hub's own model code) -------
+# Quoted released values: hybrid_override_pattern of 52 layers
+# "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", hidden 4096, 32 heads, 8 KV heads,
+# head_dim 128, mamba_num_heads 128, mamba_head_dim 64, n_groups 8, ssm_state_size 128,
+# conv_kernel 4, expand 2, chunk_size 128, relu2 MLP, vocab 131072, 8192 positions. The MoE keys
+# (``E`` layers) are those of NVIDIA's later Nemotron-H MoE configs (n_routed_experts,
+# num_experts_per_tok, moe_intermediate_size, moe_shared_expert_intermediate_size, n_group,
+# topk_group, norm_topk_prob, routed_scaling_factor 2.5), added so the tiny pattern has an E.
+NEMOTRON_H_CONFIG: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+    "auto_map": {"AutoConfig": "configuration_nemotron_h.NemotronHConfig",
+                 "AutoModelForCausalLM": "modeling_nemotron_h.NemotronHForCausalLM"},
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": Tok("<s>"),
+    "eos_token_id": Tok("</s>"), "pad_token_id": Tok("<pad>"), "chunk_size": 8,
+    "conv_kernel": 4, "expand": 2, "head_dim": 16, "hidden_dropout": 0.0, "hidden_size": 64,
+    "hybrid_override_pattern": "M-M*-ME", "initializer_range": 0.02,
+    "intermediate_size": 128, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 16,
+    "mamba_hidden_act": "silu", "mamba_num_heads": 8, "mamba_proj_bias": False,
+    "max_position_embeddings": 8192, "mlp_bias": False, "mlp_hidden_act": "relu2",
+    "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 64, "n_group": 1,
+    "n_groups": 2, "n_routed_experts": 4, "norm_topk_prob": True, "num_attention_heads": 4,
+    "num_experts_per_tok": 2, "num_hidden_layers": 7, "num_key_value_heads": 2,
+    "num_logits_to_keep": 1, "rescale_prenorm_residual": True, "residual_in_fp32": False,
+    "rms_norm_eps": 1e-05, "routed_scaling_factor": 2.5, "sliding_window": None,
+    "ssm_state_size": 16, "tie_word_embeddings": False, "time_step_floor": 0.0001,
+    "time_step_max": 0.1, "time_step_min": 0.001, "topk_group": 1, "torch_dtype": "bfloat16",
+    "use_bias": False, "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True,
+    "vocab_size": 512,
+}
+NEMOTRON_H_TOKENIZER = TokenizerSpec(
+    added=(("<unk>", True), ("<s>", True), ("</s>", True), ("<pad>", True)),
+    config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+            "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+            "model_max_length": 8192, "clean_up_tokenization_spaces": False},
+    special_map={"bos_token": _sp("<s>"), "eos_token": _sp("</s>"), "pad_token": _sp("<pad>"),
+                 "unk_token": _sp("<unk>")},
+)
+
+# ---- mistralai/Mamba-Codestral-7B-v0.1 (Mamba2ForCausalLM) -----------------------------------
+# Quoted released values: 64 layers, hidden 4096, num_heads 128, head_dim 64, n_groups 8,
+# state_size 128, conv_kernel 4, expand 2, chunk_size 256, vocab 32768, untied embeddings,
+# residual_in_fp32. transformers 4.57's Mamba2 gated norm is full width (mamba_ssm's own
+# Mamba2 normalizes per group when ngroups > 1: a known difference, kept as transformers has it).
+MAMBA2_CONFIG: dict[str, Any] = {
+    "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "bos_token_id": Tok("<s>"),
+    "eos_token_id": Tok("</s>"), "pad_token_id": Tok("<pad>"), "chunk_size": 8,
+    "conv_kernel": 4, "expand": 2, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.1, "layer_norm_epsilon": 1e-05, "n_groups": 2,
+    "norm_before_gate": False, "num_heads": 8, "num_hidden_layers": 3,
+    "rescale_prenorm_residual": False, "residual_in_fp32": True, "rms_norm": True,
+    "state_size": 16, "tie_word_embeddings": False, "time_step_floor": 0.0001,
+    "time_step_limit": [0.0, float("inf")], "time_step_max": 0.1, "time_step_min": 0.001,
+    "time_step_rank": 4, "torch_dtype": "bfloat16", "use_bias": False, "use_cache": True,
+    "use_conv_bias": True, "vocab_size": 512,
+}
+
+HYBRID_RELEASES: dict[str, Release] = {
+    "GraniteMoeHybridForCausalLM": Release(None, GRANITE_H_MICRO_CONFIG, GRANITE_H_TOKENIZER),
+    "BambaForCausalLM": Release(None, BAMBA_CONFIG, BAMBA_TOKENIZER),
+    "NemotronHForCausalLM": Release(None, NEMOTRON_H_CONFIG, NEMOTRON_H_TOKENIZER),
+    "Mamba2ForCausalLM": Release(None, MAMBA2_CONFIG, NEMOTRON_H_TOKENIZER),
+}
+# Named layouts of one architecture: ``make_tiny_hybrid_checkpoint(layout, dir)``.
+HYBRID_LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "granite-h-micro": ("GraniteMoeHybridForCausalLM", GRANITE_H_MICRO_CONFIG),
+    "granite-h-tiny": ("GraniteMoeHybridForCausalLM", GRANITE_H_TINY_CONFIG),
+    "bamba": ("BambaForCausalLM", BAMBA_CONFIG),
+    "nemotron-h": ("NemotronHForCausalLM", NEMOTRON_H_CONFIG),
+    "mamba2": ("Mamba2ForCausalLM", MAMBA2_CONFIG),
+}

@@ -1,0 +1,351 @@
+"""The Mamba2 mixer of the hybrid models (Granite 4.0-H, Bamba, Nemotron-H, Mamba2), in plain
+torch, with its recurrent state passed in and returned explicitly, so that a state pool can
+hold it per request.
+
+The mixer (Dao & Gu, "Transformers are SSMs", 2024, §7 "the Mamba-2 architecture"; the layer
+as transformers 4.57 writes it in ``models/mamba2/modeling_mamba2.py``,
+``models/bamba/modeling_bamba.py`` and ``models/granitemoehybrid/modeling_granitemoehybrid.py``,
+and as NVIDIA's hub file ``modeling_nemotron_h.py`` writes it for Nemotron-H), for one token
+``u`` of width ``hidden_size``:
+
+1. ``in_proj(u)`` splits into ``z`` (``I = heads · head_dim``), ``xBC`` (``I + 2·G·N``) and
+   ``dt`` (``heads``); ``G`` = ``n_groups``, ``N`` = ``d_state``.
+2. A causal depthwise convolution of kernel ``K`` runs over ``xBC`` along time, then SiLU.
+   The conv state is the last ``K − 1`` inputs of the row (pre-convolution ``xBC``), oldest
+   first, ``[conv_dim, K − 1]``; a fresh row's state is zeros (the zero padding of the conv).
+3. ``xBC`` splits into ``x [heads, head_dim]``, ``B [G, N]``, ``C [G, N]``; head ``h`` reads
+   group ``h // (heads / G)``.
+4. ``dt = clamp(softplus(dt + dt_bias), time_step_limit)`` in fp32, ``A = −exp(A_log)``.
+5. The SSM, per head (state ``h [head_dim, N]``, fp32):
+   ``h_t = exp(dt_t·A)·h_{t−1} + dt_t·x_t ⊗ B_t``,  ``y_t = h_t·C_t + D·x_t``.
+6. ``y = rmsnorm(y · silu(z)) · norm.weight``: a gated RMSNorm over the full width ``I``
+   (Granite, Bamba, transformers' Mamba2) or per group of ``I / G`` channels (Nemotron-H:
+   ``group_size = intermediate_size // n_groups``, ``norm_before_gate=False``).
+7. ``out_proj(y)``.
+
+**A block of tokens from a known state** (the "SSD" form, paper §6; the closed form of
+issue 20). For the ``L`` tokens of one chunk and one head, with ``a_t = dt_t·A`` and
+``c_t = a_1 + … + a_t``:
+
+    y_t = Σ_{s≤t} exp(c_t − c_s) (C_t·B_s) dt_s x_s  +  exp(c_t) (h0 · C_t)  +  D x_t
+    h_L = exp(c_L) h0 + Σ_s exp(c_L − c_s) dt_s x_s ⊗ B_s
+
+``exp(c_t − c_s)`` is formed as ``exp(Σ_{s<k≤t} a_k)`` (a segment sum, not a difference of two
+cumulative sums, which loses precision once ``|c|`` is large). A row of ``T`` tokens runs in
+chunks of ``chunk_size``, each starting from the state the previous one left, so memory is
+``chunk² × heads`` whatever ``T``: exactly the recurrence, re-associated.
+
+Rows are token-major: ``[T_total, ...]`` with ``extend_lens`` tokens per row, as the runner's
+``ForwardBatch`` lays them out. States are per row: ``conv_state [rows, conv_dim, K − 1]``,
+``ssm_state [rows, heads, head_dim, N]`` (fp32 unless the caller asks otherwise). Nothing is
+written in place: each call returns the new states, and the caller decides where they go
+(a denoise step of block diffusion reads the committed state and discards the new one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """The sizes of one Mamba2 mixer. ``norm_group_size`` is the gated norm's group width
+    (``intermediate_size`` for a full-width norm)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    conv_kernel: int
+    chunk_size: int
+    norm_eps: float
+    norm_group_size: int
+    time_step_limit: tuple[float, float] = (0.0, INF)
+    use_conv_bias: bool = True
+    use_proj_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"heads {self.num_heads} not a multiple of groups {self.n_groups}")
+        if self.intermediate_size % self.norm_group_size:
+            raise ValueError("the gated norm's group size must divide intermediate_size")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+    @property
+    def projection_size(self) -> int:
+        return self.intermediate_size + self.conv_dim + self.num_heads
+
+    def conv_state_shape(self, rows: int) -> tuple[int, int, int]:
+        return (rows, self.conv_dim, self.conv_kernel - 1)
+
+    def ssm_state_shape(self, rows: int) -> tuple[int, int, int, int]:
+        return (rows, self.num_heads, self.head_dim, self.d_state)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Mamba2Dims:
+        """The mixer of a ``config.json`` of one of the four architectures (by its keys)."""
+        arch = (config.get("architectures") or [""])[0]
+        if arch in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM"):
+            heads = config["mamba_n_heads"]
+            inter = int(config.get("mamba_expand", 2) * config["hidden_size"])
+            head_dim = config.get("mamba_d_head", "auto")
+            head_dim = inter // heads if head_dim == "auto" else head_dim
+            # Both files fix the limit to (0, inf) whatever the config says.
+            return cls(config["hidden_size"], heads, head_dim, config.get("mamba_n_groups", 1),
+                       config["mamba_d_state"], config.get("mamba_d_conv", 4),
+                       config.get("mamba_chunk_size", 256), config.get("rms_norm_eps", 1e-6),
+                       heads * head_dim, (0.0, INF), config.get("mamba_conv_bias", True),
+                       config.get("mamba_proj_bias", False))
+        if arch == "NemotronHForCausalLM":
+            heads, head_dim = config["mamba_num_heads"], config["mamba_head_dim"]
+            groups = config["n_groups"]
+            return cls(config["hidden_size"], heads, head_dim, groups, config["ssm_state_size"],
+                       config["conv_kernel"], config["chunk_size"],
+                       config.get("layer_norm_epsilon", 1e-5), heads * head_dim // groups,
+                       _limit(config.get("time_step_limit")), config.get("use_conv_bias", True),
+                       config.get("mamba_proj_bias", config.get("use_bias", False)))
+        if arch == "Mamba2ForCausalLM":
+            heads, head_dim = config["num_heads"], config["head_dim"]
+            return cls(config["hidden_size"], heads, head_dim, config["n_groups"],
+                       config["state_size"], config["conv_kernel"], config["chunk_size"],
+                       config.get("layer_norm_epsilon", 1e-5), heads * head_dim,
+                       _limit(config.get("time_step_limit")), config.get("use_conv_bias", True),
+                       config.get("use_bias", False))
+        raise ValueError(f"no Mamba2 mixer for architecture {arch!r}")
+
+
+def _limit(value: Any) -> tuple[float, float]:
+    if value is None:
+        return (0.0, INF)
+    lo, hi = value
+    return (float(lo), float(hi))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def split_projection(zxbcdt: torch.Tensor, dims: Mamba2Dims
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``in_proj`` output ``[T, projection_size]`` → ``z [T, I]``, ``xBC [T, conv_dim]``,
+    ``dt [T, heads]``."""
+    return zxbcdt.split([dims.intermediate_size, dims.conv_dim, dims.num_heads], dim=-1)
+
+
+def causal_conv(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise convolution of one row, then SiLU.
+
+    ``xbc [T, C]``; ``conv_state [C, K − 1]`` (the row's previous ``K − 1`` inputs, oldest
+    first); ``weight [C, K]`` (``conv1d.weight`` without its middle axis), tap ``K − 1``
+    multiplying the current input. Returns ``silu(conv) [T, C]`` and the new state: the last
+    ``K − 1`` inputs of ``[state, xbc]``."""
+    k = weight.shape[-1]
+    if xbc.shape[0] == 0:
+        return xbc, conv_state.clone()
+    window = torch.cat([conv_state.to(xbc.dtype).t(), xbc], dim=0)  # [K-1+T, C]
+    taps = window.unfold(0, k, 1)  # [T, C, K]: taps[t, c, j] = window[t + j, c]
+    out = (taps * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    new_state = window[window.shape[0] - (k - 1):].t().contiguous()
+    return F.silu(out), new_state
+
+
+def discretize(dt: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+               limit: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dt = clamp(softplus(dt + dt_bias), limit)`` and ``A = −exp(A_log)``, both fp32."""
+    dt = F.softplus(dt.float() + dt_bias.float())
+    dt = torch.clamp(dt, limit[0], limit[1])
+    return dt, -torch.exp(a_log.float())
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """``a [L, H]`` → ``S [H, L, L]`` with ``S[h, t, s] = Σ_{s<k≤t} a[k, h]`` for ``s ≤ t`` and
+    ``−inf`` above the diagonal, so ``exp(S)`` is the decay from ``s`` to ``t``."""
+    length = a.shape[0]
+    x = a.t()[:, :, None].expand(-1, length, length)  # x[h, k, s] = a[k, h]
+    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), -1)
+    x = x.masked_fill(~below, 0.0).cumsum(dim=1)  # [h, t, s] = Σ_{s<k≤t} a[k]
+    keep = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
+    return x.masked_fill(~keep, -INF)
+
+
+def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              c: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The closed form over one chunk of ``L`` tokens from state ``h0`` (module docstring),
+    without the ``D·x`` term. All fp32: ``x [L, H, P]``, ``dt [L, H]``, ``a [H]``,
+    ``b, c [L, H, N]`` (already expanded from groups to heads), ``h0 [H, P, N]``.
+    Returns ``y [L, H, P]`` and ``h_L [H, P, N]``."""
+    da = dt * a  # [L, H]
+    cum = da.cumsum(dim=0)  # c_t
+    decay = torch.exp(_segsum(da))  # [H, t, s]
+    scores = torch.einsum("thn,shn->hts", c, b) * decay  # (C_t·B_s) exp(c_t − c_s)
+    xdt = x * dt[..., None]  # dt_s x_s
+    y = torch.einsum("hts,shp->thp", scores, xdt)
+    y = y + torch.einsum("hpn,thn->thp", h0, c) * torch.exp(cum)[..., None]
+    to_end = torch.exp(cum[-1][None, :] - cum)  # exp(c_L − c_s), [L, H]
+    h_end = h0 * torch.exp(cum[-1])[:, None, None] + torch.einsum(
+        "sh,shp,shn->hpn", to_end, xdt, b)
+    return y, h_end
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over one row of ``T`` tokens in chunks of ``chunk_size``. ``x [T, H, P]``,
+    ``dt [T, H]`` (discretized), ``a [H]``, ``b, c [T, G, N]`` (per group), ``d [H]``,
+    ``h0 [H, P, N]``. Returns ``y [T, H, P]`` (fp32, ``D·x`` included) and the final state
+    (fp32)."""
+    heads, groups = x.shape[1], b.shape[1]
+    x, b, c = x.float(), b.float(), c.float()
+    b = b.repeat_interleave(heads // groups, dim=1)
+    c = c.repeat_interleave(heads // groups, dim=1)
+    state = h0.float()
+    out = []
+    for s in range(0, x.shape[0], chunk_size):
+        e = s + chunk_size
+        y, state = ssd_chunk(x[s:e], dt[s:e], a, b[s:e], c[s:e], state)
+        out.append(y)
+    y = torch.cat(out, dim=0) if out else x.new_zeros(x.shape)
+    return y + x * d.float()[:, None], state
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   group_size: int) -> torch.Tensor:
+    """``weight · rmsnorm(y · silu(z))`` with the mean square over groups of ``group_size``
+    channels (``group_size = I``: the full width), computed in fp32; returned in ``weight``'s
+    dtype (the files multiply ``weight`` by the fp32 result cast to the input dtype)."""
+    h = y.float() * F.silu(z.float())
+    shape = h.shape
+    h = h.view(*shape[:-1], shape[-1] // group_size, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.view(shape).to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixer
+# ---------------------------------------------------------------------------------------------
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 mixer with the checkpoints' parameter names (``in_proj``, ``conv1d``,
+    ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``), so a state dict under
+    ``…mamba.`` (Granite, Bamba) or ``…mixer.`` (Nemotron-H, Mamba2) loads as it is.
+
+    ``forward`` runs rows of any length from given states (prefill, chunked prefill, a block
+    of block diffusion); ``decode`` runs one token per row. Both return
+    ``(out, conv_state, ssm_state)`` and leave their inputs untouched."""
+
+    def __init__(self, dims: Mamba2Dims, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.dims = dims
+        kw = {"dtype": dtype, "device": device}
+        self.in_proj = nn.Linear(dims.hidden_size, dims.projection_size,
+                                 bias=dims.use_proj_bias, **kw)
+        self.conv1d = nn.Conv1d(dims.conv_dim, dims.conv_dim, dims.conv_kernel,
+                                groups=dims.conv_dim, padding=dims.conv_kernel - 1,
+                                bias=dims.use_conv_bias, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(dims.num_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, dims.num_heads + 1, **kw)))
+        self.D = nn.Parameter(torch.ones(dims.num_heads, **kw))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(dims.intermediate_size, **kw))
+        self.out_proj = nn.Linear(dims.intermediate_size, dims.hidden_size,
+                                  bias=dims.use_proj_bias, **kw)
+
+    def zero_states(self, rows: int, ssm_dtype: torch.dtype = torch.float32
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of ``rows`` fresh rows: conv state in the weights' dtype, SSM state in
+        ``ssm_dtype`` (fp32 by default, transformers' ``mamba_ssm_cache_dtype``)."""
+        w = self.in_proj.weight
+        return (torch.zeros(self.dims.conv_state_shape(rows), dtype=w.dtype, device=w.device),
+                torch.zeros(self.dims.ssm_state_shape(rows), dtype=ssm_dtype, device=w.device))
+
+    def _finish(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        d = self.dims
+        y = gated_rms_norm(y.reshape(y.shape[0], d.intermediate_size), z, self.norm.weight,
+                           d.norm_eps, d.norm_group_size)
+        return self.out_proj(y.to(dtype))
+
+    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden [T_total, hidden_size]``, rows of ``extend_lens`` tokens each, token-major;
+        ``conv_state [rows, conv_dim, K−1]`` and ``ssm_state [rows, heads, head_dim, N]`` the
+        states before each row. Returns the output ``[T_total, hidden_size]`` and the states
+        after each row (a row of 0 tokens keeps its states)."""
+        d = self.dims
+        if sum(extend_lens) != hidden.shape[0] or len(extend_lens) != conv_state.shape[0]:
+            raise ValueError("extend_lens do not match the tokens or the states")
+        z, xbc, dt = split_projection(self.in_proj(hidden), d)
+        weight = self.conv1d.weight.squeeze(1)
+        dt, a = discretize(dt, self.dt_bias, self.A_log, d.time_step_limit)
+        ys, convs, ssms = [], [], []
+        start = 0
+        for r, n in enumerate(extend_lens):
+            rows = slice(start, start + n)
+            start += n
+            xbc_r, conv_r = causal_conv(xbc[rows], conv_state[r], weight, self.conv1d.bias)
+            x, b, c = xbc_r.split([d.intermediate_size, d.n_groups * d.d_state,
+                                   d.n_groups * d.d_state], dim=-1)
+            y, h = ssd_scan(x.view(n, d.num_heads, d.head_dim), dt[rows], a,
+                            b.view(n, d.n_groups, d.d_state), c.view(n, d.n_groups, d.d_state),
+                            self.D, ssm_state[r], d.chunk_size)
+            ys.append(y)
+            convs.append(conv_r.to(conv_state.dtype))
+            ssms.append(h.to(ssm_state.dtype))
+        y = torch.cat(ys, dim=0) if ys else hidden.new_zeros(0, d.num_heads, d.head_dim)
+        return (self._finish(y, z, hidden.dtype),
+                torch.stack(convs) if convs else conv_state.clone(),
+                torch.stack(ssms) if ssms else ssm_state.clone())
+
+    def decode(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row: ``hidden [rows, hidden_size]``. The recurrence itself (module
+        docstring, step 5), vectorized over rows."""
+        d = self.dims
+        z, xbc, dt = split_projection(self.in_proj(hidden), d)
+        window = torch.cat([conv_state.to(xbc.dtype), xbc[:, :, None]], dim=-1)  # [R, C, K]
+        conv = (window * self.conv1d.weight.squeeze(1)).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        xbc = F.silu(conv)
+        x, b, c = xbc.split([d.intermediate_size, d.n_groups * d.d_state,
+                             d.n_groups * d.d_state], dim=-1)
+        rows, rep = hidden.shape[0], d.num_heads // d.n_groups
+        x = x.float().view(rows, d.num_heads, d.head_dim)
+        b = b.float().view(rows, d.n_groups, d.d_state).repeat_interleave(rep, dim=1)
+        c = c.float().view(rows, d.n_groups, d.d_state).repeat_interleave(rep, dim=1)
+        dt, a = discretize(dt, self.dt_bias, self.A_log, d.time_step_limit)  # [R, H], [H]
+        h = (ssm_state.float() * torch.exp(dt * a)[:, :, None, None]
+             + (dt[:, :, None] * x)[..., None] * b[:, :, None, :])
+        y = torch.einsum("rhpn,rhn->rhp", h, c) + x * self.D.float()[:, None]
+        return (self._finish(y, z, hidden.dtype), window[:, :, 1:].to(conv_state.dtype),
+                h.to(ssm_state.dtype))
+
+
+def state_bytes(dims: Mamba2Dims, conv_dtype: torch.dtype = torch.bfloat16,
+                ssm_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one row's state in one mixer (for sizing a state pool)."""
+    conv = math.prod(dims.conv_state_shape(1)) * torch.empty(0, dtype=conv_dtype).element_size()
+    ssm = math.prod(dims.ssm_state_shape(1)) * torch.empty(0, dtype=ssm_dtype).element_size()
+    return conv + ssm
