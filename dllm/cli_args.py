@@ -21,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        g.add_argument(flag, dest=f.name, **_flag_kwargs(f, hints[f.name]))
+        g.add_argument(flag, *f.metadata.get("aliases", ()), dest=f.name,
+                       **_flag_kwargs(f, hints[f.name]))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -94,13 +94,18 @@ class EngineConfig:
                 "up to --cuda-graph-max-bs)"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the model name the API reports (default: the checkpoint folder's name)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "aliases": ("--tp", "--tp-size"),
+        "help": "ranks that split every layer (one process each; CPU ranks talk over Gloo, "
+                "GPU ranks over NCCL, one GPU each)"})
     overlap_schedule: bool | None = field(default=None, metadata={
         "flag": "--disable-overlap-schedule", "const": False,
         "help": "read each step's result before queueing the next (default on CUDA: the host "
                 "builds the next step while the device runs this one)"})
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "page_size", "max_prefill_tokens"):
+        for name in ("max_running_requests", "page_size", "max_prefill_tokens",
+                     "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

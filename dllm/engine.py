@@ -15,6 +15,7 @@ from dllm.autoregressive import AutoregressiveScheduler
 from dllm.block_diffusion import BlockDiffusionScheduler
 from dllm.checkpoint import ModelInfo, load_model_info, resolve_model_path
 from dllm.config import EngineConfig
+from dllm.distributed import RankGroup, launch
 from dllm.embedding import EmbeddingScheduler
 from dllm.full_diffusion import FullDiffusionScheduler
 from dllm.models.pooling import PoolingConfig
@@ -43,9 +44,12 @@ class Engine:
     """Owns the tokenizer, the request factory, the scheduler and the runner. Single-threaded:
     ``AsyncLLM`` drives it from one background thread."""
 
-    def __init__(self, config: EngineConfig | None = None, **engine_args):
+    def __init__(self, config: EngineConfig | None = None, *, ranks: RankGroup | None = None,
+                 **engine_args):
         self.config = cfg = config or EngineConfig(**engine_args)
         self.device = cfg.resolve_device()
+        # Tensor parallelism: rank 0 starts the other ranks (``dllm.distributed``).
+        self.ranks = ranks if ranks is not None else launch(cfg, self.device)
         self.dtype = cfg.resolve_dtype(self.device)
         path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.tokenizer or path)
@@ -98,7 +102,8 @@ class Engine:
             block_size=self.block_size, graph_kind=graph_kind,
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-            cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes)
+            cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, tp_rank=self.ranks.rank,
+            tp_size=self.ranks.world)
 
     def _make_scheduler(self, path: str) -> Scheduler:
         cfg, spec = self.config, self.info.spec
@@ -126,9 +131,11 @@ class Engine:
         return min(self.context_length - n, pool // self.block_size * self.block_size - n)
 
     def add_request(self, req: Req) -> None:
-        self.scheduler.add(req)
+        self.scheduler.add(req)  # raises on bad input before any other rank hears of it
+        self.ranks.mirror("add_request", req)
 
     def abort(self, rid: str) -> Req | None:
+        self.ranks.mirror("abort", rid)
         return self.scheduler.abort(rid)
 
     @property
@@ -139,6 +146,7 @@ class Engine:
     def step(self) -> list[Req]:
         """One engine step: every forward the scheduler plans (prefill and denoise both
         progress). Returns the requests whose output grew or that finished."""
+        self.ranks.mirror("step")
         self.step_count += 1
         changed: list[Req] = []
         for batch in self.scheduler.schedule():
@@ -150,11 +158,12 @@ class Engine:
 
     def drain(self) -> list[Req]:
         """Apply the results still in flight (overlapped scheduling)."""
+        self.ranks.mirror("drain")
         return self.pipeline.drain()
 
-    @property
-    def _pending(self) -> list:
-        return self.pipeline.pending
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also done at interpreter exit)."""
+        self.ranks.shutdown()
 
     @property
     def overlap(self) -> bool:
@@ -168,6 +177,7 @@ class Engine:
     def idle_step(self) -> None:
         """An ``IDLE`` forward: nothing scheduled on this rank, but a step must be taken (a
         data-parallel rank joins its peers' collectives). Touches no memory pool."""
+        self.ranks.mirror("idle_step")
         self.runner.forward(ScheduledBatch(ForwardMode.IDLE))
 
     # ---- outputs -----------------------------------------------------------------------

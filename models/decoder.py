@@ -8,6 +8,7 @@ list the weight rules that rename their checkpoint tensors onto these names.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,10 +23,12 @@ from dllm.models.layers import (
     RMSNorm,
     RopeSpec,
     RotaryEmbedding,
+    RowLinear,
     VocabEmbedding,
 )
 from dllm.models.moe import StackedExperts
 from dllm.models.ops import UsesOps
+from dllm.models.parallel import all_gather_last, all_reduce, tensor_parallel
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 
@@ -48,6 +51,14 @@ class AttentionSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def local_attention_spec(spec: AttentionSpec) -> AttentionSpec:
+    """``spec`` with this tensor-parallel rank's heads (``TensorParallel.kv_heads``)."""
+    tp = tensor_parallel()
+    kv_local, _ = tp.kv_heads(spec.num_kv_heads)
+    return dataclasses.replace(spec, num_heads=tp.split(spec.num_heads, "num_attention_heads"),
+                               num_kv_heads=kv_local)
 
 
 def hf_lm_sizes(config: ModelConfig) -> dict[str, int | bool]:
@@ -85,16 +96,21 @@ class SelfAttention(UsesOps, nn.Module):
 
     def __init__(self, spec: AttentionSpec, layer_id: int):
         super().__init__()
-        self.spec = spec
-        h = spec.hidden_size
-        self.qkv_proj = PackedLinear(h, [spec.q_size, spec.kv_size, spec.kv_size],
-                                     bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, h, bias=spec.out_bias)
+        h, d = spec.hidden_size, spec.head_dim
+        tp = tensor_parallel()
+        local = local_attention_spec(spec)  # this rank's heads
+        _, kv_first = tp.kv_heads(spec.num_kv_heads)
+        kv_part = (spec.kv_size, local.kv_size, kv_first * d)
+        self.spec, self.tp = local, tp
+        self.qkv_proj = PackedLinear(
+            h, [local.q_size, local.kv_size, local.kv_size], bias=spec.qkv_bias,
+            parts=[(spec.q_size, local.q_size, tp.rank * local.q_size), kv_part, kv_part])
+        self.o_proj = RowLinear(spec.q_size, h, bias=spec.out_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+            self.q_norm = RMSNorm(d, spec.norm_eps)
+            self.k_norm = RMSNorm(d, spec.norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope)
-        self.attn = Attention(layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.attn = Attention(layer_id, local.num_heads, local.num_kv_heads, d)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self.spec.qk_norm:
@@ -112,7 +128,8 @@ class SelfAttention(UsesOps, nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: Batch) -> torch.Tensor:
         qkv = self.ops.linear(x, self.qkv_proj)
-        return self.ops.linear(self.attend(qkv, positions, forward_batch), self.o_proj)
+        out = self.ops.linear(self.attend(qkv, positions, forward_batch), self.o_proj)
+        return all_reduce(out, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -186,7 +203,10 @@ class DecoderLM(UsesOps, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` → ``[N, vocab]`` in the model dtype."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, head)
+        logits = self.ops.linear(hidden, head)
+        if head.weight.shape[0] == head.vocab_size:
+            return logits
+        return all_gather_last(logits, head.tp)[:, : head.vocab_size]  # the ranks' slices
 
     @property
     def supports_cuda_graph(self) -> bool:
@@ -197,5 +217,5 @@ class DecoderLM(UsesOps, nn.Module):
                        for m in self.modules())
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        s = self.attn_spec
+        s = local_attention_spec(self.attn_spec)
         return KVCacheSpec(len(self.model.layers), s.num_kv_heads, s.head_dim)

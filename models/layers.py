@@ -13,6 +13,7 @@ from torch import nn
 
 from dllm.models.config import ModelConfig
 from dllm.models.ops import UsesOps
+from dllm.models.parallel import all_reduce, tensor_parallel
 
 
 class RMSNorm(UsesOps, nn.Module):
@@ -186,16 +187,62 @@ class PackedLinear(nn.Linear):
     (``output_sizes`` rows each, in order): q/k/v, or gate/up. The modules that hold one name
     the checkpoint projections it packs in ``packed_modules`` (checkpoint module name → (packed
     module, shard index)), the weight-mapping data the loader reads to copy each checkpoint
-    tensor into its rows; the model then runs one GEMM where the checkpoint has several."""
+    tensor into its rows; the model then runs one GEMM where the checkpoint has several.
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = tuple(output_sizes)
+    Under tensor parallelism each shard holds this rank's rows of its projection: ``parts``
+    gives per shard ``(rows in the checkpoint, rows here, first checkpoint row here)``."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 parts: list[tuple[int, int, int]] | None = None):
+        parts = parts or [(n, n, 0) for n in output_sizes]
+        super().__init__(in_features, sum(local for _, local, _ in parts), bias=bias)
+        self.parts = tuple(parts)
+        self.output_sizes = tuple(local for _, local, _ in parts)
 
     def shard_rows(self, index: int) -> slice:
         """The rows of shard ``index`` in the packed output."""
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """This rank's rows of checkpoint ``tensor``: one shard's projection (``shard``), or
+        the whole packed projection (a checkpoint that stores it packed, e.g. LLaDA2's
+        ``query_key_value``)."""
+        if shard is not None:
+            _, local, first = self.parts[shard]
+            return tensor[first : first + local]
+        if tensor.shape[0] != sum(full for full, _, _ in self.parts):
+            return tensor  # not the checkpoint's packed layout: the shape check names it
+        pieces, start = [], 0
+        for full, local, first in self.parts:
+            pieces.append(tensor[start + first : start + first + local])
+            start += full
+        return torch.cat(pieces)
+
+
+def column_parts(*sizes: int) -> list[tuple[int, int, int]]:
+    """``PackedLinear`` parts of projections split evenly over the tensor-parallel ranks."""
+    tp = tensor_parallel()
+    return [(n, tp.split(n, "a projection's rows"), tp.rank * (n // tp.size)) for n in sizes]
+
+
+class RowLinear(nn.Linear):
+    """A projection whose input is split over the tensor-parallel ranks (o_proj, down): each
+    rank holds its columns, and the caller all-reduces the output. The bias is added once
+    (rank 0 holds it, the others zeros)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        tp = tensor_parallel()
+        super().__init__(tp.split(in_features, "a projection's input"), out_features, bias=bias)
+        self.tp = tp
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        tp = self.tp
+        if leaf == "bias":
+            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+        n = self.in_features
+        return tensor[:, tp.rank * n : (tp.rank + 1) * n] if tensor.shape[1] == n * tp.size \
+            else tensor
 
 
 class SwiGLUMLP(UsesOps, nn.Module):
@@ -206,26 +253,47 @@ class SwiGLUMLP(UsesOps, nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                         parts=column_parts(intermediate_size, intermediate_size))
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
+        self.tp = self.down_proj.tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.ops.silu_mul_linear(self.ops.linear(x, self.gate_up_proj), self.down_proj)
+        act = self.ops.linear(x, self.gate_up_proj)
+        return all_reduce(self.ops.silu_mul_linear(act, self.down_proj), self.tp)
 
 
 class VocabEmbedding(nn.Module):
+    """The token embedding; under tensor parallelism each rank holds a slice of the
+    vocabulary (``TensorParallel.vocab_range``) and the ranks sum their rows."""
+
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size).normal_(std=0.02))
+        self.vocab_size = vocab_size
+        self.tp = tensor_parallel()
+        self.start, self.end, rows = self.tp.vocab_range(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size).normal_(std=0.02))
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """This rank's rows of the checkpoint's ``[vocab, hidden]`` table, zero-padded."""
+        rows = self.weight.shape[0]
+        if tensor.shape[0] != self.vocab_size or rows == self.vocab_size:
+            return tensor
+        part = tensor[self.start : self.end]
+        pad = part.new_zeros(rows - part.shape[0], *part.shape[1:])
+        return torch.cat((part, pad))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return F.embedding(input_ids, self.weight)
+        if self.weight.shape[0] == self.vocab_size:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(inside, input_ids - self.start, 0)
+        return all_reduce(F.embedding(local, self.weight) * inside[:, None], self.tp)
 
 
-class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size).normal_(std=0.02))
+class LMHead(VocabEmbedding):
+    """The output projection ``[vocab, hidden]``, split over the vocabulary like the
+    embedding (the model gathers the logits: ``DecoderLM.compute_logits``)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         return F.linear(hidden, self.weight)

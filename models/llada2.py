@@ -22,6 +22,7 @@ from dllm.models.config import ModelConfig
 from dllm.models.decoder import AttentionSpec, DecoderLM, SelfAttention, hf_lm_sizes
 from dllm.models.layers import RopeSpec, SwiGLUMLP, check_silu
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
+from dllm.models.parallel import all_reduce
 from dllm.models.weights import STACK_EXPERTS, WeightRule
 
 _ATTN = r"model\.layers\.(?P<l>\d+)\.attention\."
@@ -78,7 +79,7 @@ class LLaDA2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.route(x)
-        out = self.experts(x, ids, weights)
+        out = all_reduce(self.experts(x, ids, weights), self.experts.tp)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -143,7 +143,16 @@ class _Assembler:
                         if target == packed_name)
         return full, module.get_submodule(packed_name), index, [n for _, n in shards]
 
+    def _localize(self, name: str, tensor: torch.Tensor, shard: int | None = None
+                  ) -> torch.Tensor:
+        """This tensor-parallel rank's part of a checkpoint tensor: the owning module's
+        ``localize`` where it has one (split projections, the vocabulary), else all of it."""
+        module_name, _, leaf = name.rpartition(".")
+        localize = getattr(self.model.get_submodule(module_name), "localize", None)
+        return tensor if localize is None else localize(leaf, tensor, shard)
+
     def _add_plain(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
+        tensor = self._localize(target.name, tensor)
         want = tuple(self.expected[target.name].shape)
         if tuple(tensor.shape) != want:
             raise WeightLoadError(
@@ -168,6 +177,7 @@ class _Assembler:
         return self.stacks[name]
 
     def _add_stacked(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
+        tensor = self._localize(target.name, tensor)
         want = tuple(self.expected[target.name].shape)
         index = target.index
         if not 0 <= index < want[0] or tuple(tensor.shape) != want[1:]:
@@ -184,6 +194,7 @@ class _Assembler:
 
     def _add_shard(self, ckpt_name: str, name: str, packed: PackedLinear, index: int,
                    parts: list[str], tensor: torch.Tensor) -> None:
+        tensor = self._localize(name, tensor, index)
         rows = packed.shard_rows(index)
         want = (rows.stop - rows.start, *self.expected[name].shape[1:])
         if tuple(tensor.shape) != want:

@@ -16,6 +16,7 @@ from torch import nn
 
 from dllm.models.layers import SwiGLUMLP
 from dllm.models.ops import UsesOps
+from dllm.models.parallel import all_reduce, tensor_parallel
 
 # ``torch.nn.functional.grouped_mm`` where torch has it public, else the older private name.
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -23,16 +24,30 @@ grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 
 class StackedExperts(UsesOps, nn.Module):
     """``E`` SwiGLU experts, weights stacked on a leading expert axis:
-    ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``."""
+    ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``. Under tensor
+    parallelism each rank holds a slice of every expert's intermediate size (its output is a
+    partial sum the MoE block all-reduces)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts
+        self.full_intermediate = intermediate_size
+        self.tp = tensor_parallel()
+        intermediate_size = self.tp.split(intermediate_size, "the expert size")
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, std=0.02)
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """This rank's slice of one checkpoint expert's projection (``[I, H]`` or ``[H, I]``)."""
+        tp = self.tp
+        n = self.full_intermediate // tp.size
+        axis = 1 if leaf == "down_proj" else 0
+        if tp.size == 1 or tensor.shape[axis] != self.full_intermediate:
+            return tensor
+        return tensor.narrow(axis, tp.rank * n, n)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``x`` ``[n, H]`` → ``[n, H]``."""
@@ -167,7 +182,7 @@ class SoftmaxMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.route(x)
-        out = self.experts(x, ids, weights)
+        out = all_reduce(self.experts(x, ids, weights), self.experts.tp)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out

@@ -113,8 +113,11 @@ def _fusable(layer: nn.Module) -> bool:
 
 def fuse_decoder_layers(model: nn.Module) -> int:
     """Swap every fusable ``DecoderLayer`` of ``model`` for a ``FusedDecoderLayer`` (after the
-    layer ops are installed); returns how many."""
+    layer ops are installed); returns how many. None under tensor parallelism: the output
+    projections' all-reduce sits between the GEMM and the residual step."""
     n = 0
+    if any(getattr(m, "tp", None) is not None and m.tp.size > 1 for m in model.modules()):
+        return 0
     for module in list(model.modules()):
         layers = getattr(module, "layers", None)
         if not isinstance(layers, nn.ModuleList):

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from dllm.models.loader import load_model
 from dllm.models.ops import install_ops
+from dllm.models.parallel import TensorParallel, set_tensor_parallel
 from dllm.runner.attention import make_backend, resolve_backend_name, triton_available
 from dllm.runner.forward_batch import (
     ForwardBatch,
@@ -79,6 +81,8 @@ class RunnerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    tp_rank: int = 0  # this rank among the tensor-parallel ranks (``dllm.models.parallel``)
+    tp_size: int = 1
 
 
 class Runner(ABC):
@@ -104,6 +108,7 @@ class ModelRunner:
         self.steps = steps
         self.device = config.device
         torch.manual_seed(config.seed)
+        set_tensor_parallel(TensorParallel(config.tp_rank, config.tp_size))
         self.model, _, _ = load_model(config.model_path, dtype=config.dtype, device=self.device,
                                       load_format=config.load_format, seed=config.seed)
         self.model.eval()
@@ -137,6 +142,10 @@ class ModelRunner:
             if budget_gb is None:
                 budget_gb = self._default_kv_budget_gb()
             pages = min(want, int(budget_gb * 2**30 // (per_token * page)) + 1)
+        if cfg.tp_size > 1:  # every rank's scheduler must see the same pool: the smallest
+            agreed = torch.tensor([pages], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            pages = int(agreed.item())
         self.req_pool = ReqToTokenPool(cfg.max_running_requests, max_context, self.device)
         self.kv_pool = TokenToKVPool(pages, page, spec.num_layers, spec.num_kv_heads,
                                      spec.head_dim, cfg.dtype, self.device)

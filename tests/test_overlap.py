@@ -169,7 +169,7 @@ def test_abort_while_in_flight_frees_memory(sdar_dir):
         e.add_request(r)
     for _ in range(4):
         e.step()
-    assert e._pending and reqs[1].inflight == 1  # its last step is queued, not yet read
+    assert e.pipeline.pending and reqs[1].inflight == 1  # its last step is queued, not yet read
     e.abort(reqs[1].rid)
     while any(not r.finished for r in reqs):
         e.step()

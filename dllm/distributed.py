@@ -1,0 +1,170 @@
+"""Tensor-parallel ranks as processes (DESIGN §9): one worker process per rank, each with a
+whole ``Engine`` replica (tokenizer, scheduler, ``ModelRunner`` over its slice of every layer).
+
+Rank 0 is the caller's process. Every engine call that changes state (``add_request``,
+``abort``, ``step``, ``drain``) is broadcast to the other ranks before rank 0 runs it, and
+each rank runs the same call on the same state, so every scheduler plans the same batches and
+the collectives of every forward line up (SGLang's way: the requests travel, not the batches;
+a batch's post-step reads its requests, which every rank then has). The broadcast is one small
+object per call over a Gloo group, on CPU and GPU alike; the forward's own collectives use the
+default group (Gloo on CPU, NCCL on GPUs).
+
+A worker exits when rank 0 sends ``None`` (``RankGroup.shutdown``: ``Engine.shutdown``, and at
+interpreter exit) or when rank 0's process disappears (a watchdog thread: no orphans). Rank 0
+watches its workers the same way: a worker that dies ends rank 0's process with a one-line
+error naming the rank within a second, instead of leaving it blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait before it fails (a peer that hangs without dying).
+TIMEOUT = timedelta(minutes=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(rank: int, world: int, port: int, device: torch.device) -> Any:
+    """Join the default group (NCCL for CUDA ranks, else Gloo) and return a Gloo group for
+    the control messages."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else None
+
+
+class RankGroup:
+    """The ranks of one engine, as rank 0 or a worker sees them. ``mirror(call, *args)``:
+    on rank 0, send the call to the other ranks (a no-op on workers and with one rank)."""
+
+    def __init__(self, rank: int, world: int, control: Any = None,
+                 workers: list[subprocess.Popen] | None = None):
+        self.rank, self.world = rank, world
+        self.control = control
+        self.workers = workers or []
+        self.stopping = False
+
+    @property
+    def sends(self) -> bool:
+        return self.rank == 0 and self.world > 1 and not self.stopping
+
+    def mirror(self, call: str, *args: Any) -> None:
+        if self.sends:
+            dist.broadcast_object_list([(call, args)], src=0, group=self.control)
+
+    def receive(self) -> tuple[str, tuple] | None:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the workers to exit and wait for them (idempotent)."""
+        if not self.sends:
+            return
+        self.stopping = True
+        try:
+            dist.broadcast_object_list([None], src=0, group=self.control)
+        except Exception:  # noqa: BLE001 - a worker already gone: nothing to tell
+            pass
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(config: Any, device: torch.device) -> RankGroup:
+    """Rank 0: start the worker processes of ``config.tensor_parallel_size`` ranks and join
+    the group with them."""
+    world = config.tensor_parallel_size
+    if world == 1:
+        return RankGroup(0, 1)
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    if dist.is_initialized():
+        raise ValueError("one tensor-parallel engine per process: shut the other down first "
+                         "(Engine.shutdown)")
+    port = _free_port()
+    workers = []
+    for rank in range(1, world):
+        # A fresh interpreter (``python -m dllm.distributed``), not multiprocessing: the
+        # caller's script is not imported again, so it needs no ``__main__`` guard.
+        proc = subprocess.Popen([sys.executable, "-m", "dllm.distributed"],
+                                stdin=subprocess.PIPE)
+        pickle.dump((config, rank, world, port, os.getpid()), proc.stdin)
+        proc.stdin.close()
+        workers.append(proc)
+    control = _init_group(0, world, port, device)
+    group = RankGroup(0, world, control, workers)
+    atexit.register(group.shutdown)
+    threading.Thread(target=_watch_workers, args=(group,), daemon=True,
+                     name="dllm-tp-watch").start()
+    return group
+
+
+def _watch_workers(group: RankGroup) -> None:
+    while not group.stopping:
+        for rank, proc in enumerate(group.workers, start=1):
+            if proc.poll() is not None and not group.stopping:
+                print(f"dllm: tensor-parallel rank {rank} exited (code {proc.returncode}); "
+                      "stopping", file=sys.stderr, flush=True)
+                for other in group.workers:
+                    if other.poll() is None:
+                        other.kill()
+                os._exit(1)
+        time.sleep(0.2)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def worker_main(config: Any, rank: int, world: int, port: int, parent: int) -> None:
+    """A worker rank: join the group, build the engine replica, run the calls rank 0 sends."""
+    from dllm.engine import Engine
+
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    logging.basicConfig(level=logging.WARNING)
+    device = config.resolve_device()
+    if device.type == "cuda":  # one GPU per rank
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        config = dataclasses.replace(config, device=str(device))
+    control = _init_group(rank, world, port, device)
+    engine = Engine(config, ranks=RankGroup(rank, world, control))
+    ranks = engine.ranks
+    while (msg := ranks.receive()) is not None:
+        call, args = msg
+        getattr(engine, call)(*args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # a worker rank, started by ``launch``
+    worker_main(*pickle.load(sys.stdin.buffer))

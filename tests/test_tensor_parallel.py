@@ -1,0 +1,210 @@
+"""Tensor parallelism on CPU over Gloo: an engine of 2 or 3 ranks (one process each) gives the
+single-process tokens for every family and unmasking algorithm, its models give the
+single-process logits, and a rank that dies ends the others.
+
+The ranks are spawned once per engine (the engines are module fixtures) and once per group
+size for the logits (one ``torch.multiprocessing`` spawn does every family)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dllm import LLM, SamplingParams
+from dllm.models.loader import load_model
+from dllm.models.parallel import TensorParallel, set_tensor_parallel
+from dllm.runner.forward_batch import AttentionMask
+from dllm.testing import make_tiny_checkpoint
+from dllm.testing.harness import forward_full
+from tests.test_engine import ALGORITHMS as BLOCK_ALGORITHMS
+
+# Sizes every group of 2 and 3 ranks splits evenly (heads, KV heads, MLP and expert sizes).
+# Qwen3 has one KV head: replicated on every rank.
+SHAPES = {
+    "Qwen3ForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=1,
+                             head_dim=16, intermediate_size=96),
+    "SDARForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6,
+                            head_dim=16, intermediate_size=96),
+    "LLaDA2MoeModelLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6,
+                             head_dim=16, intermediate_size=96, moe_intermediate_size=48),
+    "SDARMoeForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6,
+                               head_dim=16, moe_intermediate_size=48, intermediate_size=96),
+    "LLaDAModelLM": dict(d_model=96, n_heads=6, n_kv_heads=6, mlp_hidden_size=96),
+}
+MASKS = {"Qwen3ForCausalLM": AttentionMask.CAUSAL, "SDARForCausalLM": AttentionMask.BLOCK_CAUSAL,
+         "LLaDA2MoeModelLM": AttentionMask.BLOCK_CAUSAL,
+         "SDARMoeForCausalLM": AttentionMask.BLOCK_CAUSAL, "LLaDAModelLM": AttentionMask.FULL}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    return {arch: str(make_tiny_checkpoint(arch, root / arch, seed=1, **shape))
+            for arch, shape in SHAPES.items()}
+
+
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    """``(arch, tp)`` → an ``LLM`` (tp 1: single process). A process holds one
+    tensor-parallel engine at a time, so the tests of one ``(arch, tp)`` run together and the
+    engine is kept until another is asked for."""
+    single: dict[str, LLM] = {}
+    current: list = [None, None]  # key, LLM
+
+    def get(arch: str, tp: int) -> LLM:
+        if tp == 1:
+            if arch not in single:
+                single[arch] = LLM(ckpts[arch], max_running_requests=4, page_size=4)
+            return single[arch]
+        if current[0] != (arch, tp):
+            if current[1] is not None:
+                current[1].engine.shutdown()
+            current[:] = [(arch, tp), LLM(ckpts[arch], max_running_requests=4, page_size=4,
+                                          tensor_parallel_size=tp)]
+        return current[1]
+
+    yield get
+    if current[1] is not None:
+        current[1].engine.shutdown()
+
+
+def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, params)
+    llm.engine.check_memory()
+    return [o.token_ids for o in outs]
+
+
+def _same(engines, arch: str, tp: int, params: SamplingParams) -> None:
+    want = _tokens(engines(arch, 1), params)
+    assert _tokens(engines(arch, tp), params) == want
+
+
+@pytest.mark.parametrize(("tp", "temperature"), [(2, 0.0), (2, 0.8), (3, 0.0), (3, 0.8)])
+def test_decode_equals_single_process(engines, tp, temperature):
+    _same(engines, "Qwen3ForCausalLM", tp,
+          SamplingParams(max_new_tokens=8, temperature=temperature, top_k=20, seed=5))
+
+
+@pytest.mark.parametrize("algorithm", sorted(BLOCK_ALGORITHMS))
+def test_block_diffusion_every_algorithm_tp2(engines, algorithm):
+    _same(engines, "SDARForCausalLM", 2, SamplingParams(
+        max_new_tokens=8, ignore_eos=True, seed=3,
+        dllm={"algorithm": algorithm, **BLOCK_ALGORITHMS[algorithm]}))
+
+
+@pytest.mark.parametrize("algorithm", ["low_confidence_static", "threshold"])
+def test_block_diffusion_tp3(engines, algorithm):
+    _same(engines, "SDARForCausalLM", 3, SamplingParams(
+        max_new_tokens=8, ignore_eos=True, temperature=0.7, seed=3,
+        dllm={"algorithm": algorithm, **BLOCK_ALGORITHMS[algorithm]}))
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_llada2_moe(engines, tp):
+    _same(engines, "LLaDA2MoeModelLM", tp, SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+
+@pytest.mark.parametrize("dllm", [
+    {"steps": 4, "block_size": 4},
+    {"algorithm": "threshold", "threshold": 0.5, "block_size": 4},
+    {"steps": 4, "block_size": 4, "cache_mode": "dual"},
+    {"steps": 4, "block_size": 4, "cfg_scale": 1.0},
+], ids=["static", "threshold", "dual", "cfg"])
+def test_full_attention_tp2(engines, dllm):
+    _same(engines, "LLaDAModelLM", 2, SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                                     dllm=dllm))
+
+
+# ---- logits -------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_logits(rank: int, world: int, port: int, ckpts: dict[str, str], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    ids = list(range(5, 28))  # 23 tokens
+    for arch, path in ckpts.items():
+        set_tensor_parallel(TensorParallel(rank, world))
+        model, _, _ = load_model(path)
+        with torch.no_grad():
+            logits = forward_full(model, ids, MASKS[arch], block_size=4)
+        if rank == 0:
+            torch.save(logits, Path(out) / f"{arch}-{world}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_logits(ckpts, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("logits")
+    for world in (2, 3):
+        mp.spawn(_rank_logits, args=(world, _free_port(), ckpts, str(out)), nprocs=world)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("arch", sorted(SHAPES))
+def test_logits_equal_single_process(ckpts, tp_logits, arch, world):
+    set_tensor_parallel(TensorParallel())
+    model, _, _ = load_model(ckpts[arch])
+    with torch.no_grad():
+        want = forward_full(model, list(range(5, 28)), MASKS[arch], block_size=4)
+    got = torch.load(tp_logits / f"{arch}-{world}.pt")
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+# ---- a rank that dies ---------------------------------------------------------------------
+def test_a_dead_rank_ends_the_engine_and_leaves_no_orphan(ckpts, tmp_path):
+    """A worker killed mid-run: rank 0 exits with a one-line error naming the rank within
+    seconds. Rank 0 killed: its worker exits by itself."""
+    script = textwrap.dedent(f"""
+        import sys
+        from dllm import LLM, SamplingParams
+        llm = LLM({ckpts["Qwen3ForCausalLM"]!r}, tensor_parallel_size=2)
+        print(llm.engine.ranks.workers[0].pid, flush=True)
+        while True:
+            llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
+    """)
+    for victim in ("worker", "rank0"):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        worker = int(proc.stdout.readline())
+        time.sleep(0.5)
+        os.kill(worker if victim == "worker" else proc.pid, signal.SIGKILL)
+        start = time.monotonic()
+        if victim == "worker":
+            proc.wait(timeout=10)
+            assert proc.returncode == 1
+            err = proc.stderr.read().strip().splitlines()
+            assert err == ["dllm: tensor-parallel rank 1 exited (code -9); stopping"]
+        else:
+            proc.wait(timeout=10)
+            while _alive(worker) and time.monotonic() - start < 10:
+                time.sleep(0.1)
+        assert not _alive(worker)
+        assert time.monotonic() - start < 10
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
