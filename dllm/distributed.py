@@ -78,6 +78,26 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def check_peers(self, wait: float = 1.0) -> None:
+        """Rank 0: if a worker has exited (waiting up to ``wait`` seconds for one to be seen
+        gone, as after a collective failed), stop the others and end this process with one
+        line naming the rank."""
+        deadline = time.monotonic() + wait
+        while not self.stopping and self.workers:
+            dead = next(((r, p) for r, p in enumerate(self.workers, start=1)
+                         if p.poll() is not None), None)
+            if dead is not None:
+                rank, proc = dead
+                print(f"dllm: tensor-parallel rank {rank} exited (code {proc.returncode}); "
+                      "stopping", file=sys.stderr, flush=True)
+                for other in self.workers:
+                    if other.poll() is None:
+                        other.kill()
+                os._exit(1)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
     def shutdown(self) -> None:
         """Rank 0: tell the workers to exit and wait for them (idempotent)."""
         if not self.sends:
@@ -128,14 +148,7 @@ def launch(config: Any, device: torch.device) -> RankGroup:
 
 def _watch_workers(group: RankGroup) -> None:
     while not group.stopping:
-        for rank, proc in enumerate(group.workers, start=1):
-            if proc.poll() is not None and not group.stopping:
-                print(f"dllm: tensor-parallel rank {rank} exited (code {proc.returncode}); "
-                      "stopping", file=sys.stderr, flush=True)
-                for other in group.workers:
-                    if other.poll() is None:
-                        other.kill()
-                os._exit(1)
+        group.check_peers(wait=0.0)
         time.sleep(0.2)
 
 

@@ -75,7 +75,8 @@ class Engine:
                                                       self.requests.make_embed_request)
         self.tokenize, self.apply_chat_template = (self.requests.tokenize,
                                                    self.requests.apply_chat_template)
-        self.isolation = Isolation(self.runner, self.scheduler, self.req_pool)
+        self.isolation = Isolation(self.runner, self.scheduler, self.req_pool,
+                                   self.ranks.check_peers)
         self.pipeline = OverlapPipeline(self.isolation, cfg.overlap_schedule
                                         if cfg.overlap_schedule is not None
                                         else self.device.type == "cuda")

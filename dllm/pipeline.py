@@ -15,6 +15,7 @@ isolation, each in one place.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +37,15 @@ class Launched:
 
 
 class Isolation:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, req_pool: ReqToTokenPool):
+    """``check_peers``: called first when a batch fails; ends the process when a
+    tensor-parallel rank is gone (its collectives fail on every rank; nothing to retry)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, req_pool: ReqToTokenPool,
+                 check_peers: Callable[[], None] = lambda: None):
         self.runner = runner
         self.scheduler = scheduler
         self.req_pool = req_pool
+        self.check_peers = check_peers
 
     def launch(self, batch: ScheduledBatch, overlapped: bool) -> Launched:
         """Queue one forward and its post-step; record what the next step may build on and,
@@ -57,6 +63,7 @@ class Isolation:
             job = self.launch(batch, overlapped=False)
             return self.scheduler.update(job.batch, job.output)
         except Exception as exc:  # noqa: BLE001 - isolate the failing request
+            self.check_peers()
             units = self.scheduler.split(batch)
             if len(units) > 1:
                 return [req for unit in units for req in self.run(unit)]
@@ -105,6 +112,7 @@ class OverlapPipeline:
             self._queued.append(self.isolation.launch(batch, overlapped=True))
             return []
         except Exception as exc:  # noqa: BLE001 - retried request by request
+            self.isolation.check_peers()
             logger.warning("a batch failed (%s: %s); retrying it request by request",
                            type(exc).__name__, exc)
             return self.drain() + self.isolation.retry(batch)
