@@ -111,6 +111,9 @@ class Engine:
                 StopChecker(self.tokenizer, self.info.eos_token_ids), self.runner.state_pool)
         if self.task == "embed":
             return EmbeddingScheduler(*args, pooling=PoolingConfig.from_checkpoint(path))
+        if spec.recurrent_state and spec.kind != "causal_lm":  # issue 20: denoise over state
+            raise NotImplementedError(f"{self.info.architecture}: diffusion over a recurrent "
+                                      "state is not served yet")
         if spec.kind == "causal_lm":
             return AutoregressiveScheduler(*args)
         if spec.kind == "block_diffusion":
