@@ -213,3 +213,50 @@ def test_state_slots_come_out_of_the_memory_budget(tmp_path) -> None:
     outs = llm.generate(record["prompts"], GREEDY)
     assert [o.token_ids for o in outs] == record["outputs"]
     e.check_memory()
+
+
+def test_a_denoise_forward_reads_the_committed_state_and_writes_nothing(tmp_path) -> None:
+    """The runner half of block diffusion over a hybrid (the scheduler half is not built):
+    after two prompt blocks (block-causal ``EXTEND``, state written to the committed slot), a
+    ``DLLM_EXTEND`` forward of the next block — noisy, then final — writes its state to slot
+    0 and leaves the committed slot bit-identical, and its logits equal the naive full
+    recompute (block-causal attention, causal SSM); the commit forward (write slot = the
+    committed slot) then leaves the state a whole-prefix ``EXTEND`` leaves."""
+    from naive_hybrid import block_causal_mask, naive_logits
+
+    record, path = checkpoint_of("granite_h_micro", tmp_path)
+    e = LLM(str(path), page_size=4, max_running_requests=2).engine
+    ids = record["prompts"][2][:12]
+    reqs = [e.make_request(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            for _ in range(2)]
+    for r in reqs:
+        e.add_request(r)
+    e.scheduler.admit()
+    pool = e.runner.state_pool
+
+    def run(mode, req, start, tokens, write):
+        batch = ScheduledBatch(mode, attention_mask=AttentionMask.BLOCK_CAUSAL, block_size=4,
+                               logits_mode=LogitsMode.ALL)
+        batch.add_row(req.rid, req.req_pool_idx, tokens, start)
+        batch.add_state(req.state_slot, write)
+        return e.runner.forward(batch, post=None)[1]
+
+    def state(slot):
+        return [t[slot].clone() for t in pool.conv + pool.ssm]
+
+    req, whole = reqs
+    run(ForwardMode.EXTEND, req, 0, ids[:8], req.state_slot)
+    committed = state(req.state_slot)
+    for block in (ids[8:10] + [300, 301], ids[8:12]):
+        logits = run(ForwardMode.DLLM_EXTEND, req, 8, block, 0)
+        assert all(torch.equal(a, b) for a, b in zip(state(req.state_slot), committed,
+                                                     strict=True))
+        want = naive_logits(path, ids[:8] + block, block_causal_mask(12, 4))[8:]
+        assert close(logits, want) <= 1e-5
+    run(ForwardMode.DLLM_EXTEND, req, 8, ids[8:12], req.state_slot)  # the commit forward
+    run(ForwardMode.EXTEND, whole, 0, ids, whole.state_slot)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+               for a, b in zip(state(req.state_slot), state(whole.state_slot), strict=True))
+    for r in reqs:
+        e.abort(r.rid)
+    e.check_memory()
