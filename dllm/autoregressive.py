@@ -76,6 +76,7 @@ class AutoregressiveScheduler(Scheduler):
                                attention_mask=AttentionMask.CAUSAL, logits_mode=LogitsMode.LAST)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
+            batch.add_state(req.state_slot, req.state_slot)  # the chunk continues the state
             batch.rows.append(Row(req))
         batch.row_inputs.update(sampling_rows([req for req, _, _ in rows]))
         return batch
@@ -92,6 +93,7 @@ class AutoregressiveScheduler(Scheduler):
             n = req.inflight
             batch.add_row(req.rid, req.req_pool_idx, [0] if n else req.output_ids[-1:],
                           req.committed_len - 1 + n)
+            batch.add_state(req.state_slot, req.state_slot)  # updated in place
             batch.rows.append(Row(req))
             carry.add(req.ar.carry if n else None)
         batch.row_inputs.update(sampling_rows(reqs))

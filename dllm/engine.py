@@ -88,6 +88,9 @@ class Engine:
             task = "embed" if PoolingConfig.is_sentence_transformers(path) else "generate"
         if task == "embed" and self.info.spec.kind != "causal_lm":
             raise ValueError(f"{self.info.architecture} cannot serve embeddings")
+        if task == "embed" and self.info.spec.recurrent_state:
+            raise NotImplementedError(f"{self.info.architecture}: embeddings of hybrid models "
+                                      "are not served yet")
         return task
 
     def _runner_config(self, path: str) -> RunnerConfig:
@@ -111,9 +114,12 @@ class Engine:
         sc = SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, self.block_size,
                              self.mask_token_id)
         args = (sc, self.req_pool, self.kv_pool,
-                StopChecker(self.tokenizer, self.info.eos_token_ids))
+                StopChecker(self.tokenizer, self.info.eos_token_ids), self.runner.state_pool)
         if self.task == "embed":
             return EmbeddingScheduler(*args, pooling=PoolingConfig.from_checkpoint(path))
+        if spec.recurrent_state and spec.kind != "causal_lm":  # issue 20: denoise over state
+            raise NotImplementedError(f"{self.info.architecture}: diffusion over a recurrent "
+                                      "state is not served yet")
         if spec.kind == "causal_lm":
             return AutoregressiveScheduler(*args)
         if spec.kind == "block_diffusion":
@@ -189,10 +195,12 @@ class Engine:
         return EmbeddingOutput.of(req)
 
     def check_memory(self) -> None:
-        """Raise ``AssertionError`` if any KV page or request slot leaked."""
+        """Raise ``AssertionError`` if any KV page, request slot or state slot leaked."""
         self.scheduler.check_memory()
         if not self.has_work:
             assert self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages
+            state = self.runner.state_pool
+            assert state is None or state.num_free == state.num_slots
 
     def run_to_completion(self, reqs: Sequence[Req]) -> list[RequestOutput]:
         for req in reqs:

@@ -117,6 +117,8 @@ class Req:
     # Memory (while RUNNING).
     req_pool_idx: int | None = None
     kv_pages: list[int] = field(default_factory=list)
+    # Hybrid models: the request's committed recurrent-state slot (``MambaStatePool``).
+    state_slot: int | None = None
     # Progress.
     prefilled_len: int = 0  # prompt tokens whose KV is cached (or queued to be: stream order)
     # Forwards launched for this request whose result the host has not applied yet (at most

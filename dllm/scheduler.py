@@ -14,7 +14,7 @@ from typing import Any
 
 from dllm.request import BlockState, FinishReason, Req, ReqStatus
 from dllm.runner.forward_batch import ScheduledBatch
-from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
+from dllm.runner.memory import MambaStatePool, ReqToTokenPool, TokenToKVPool
 from dllm.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,12 @@ class SchedulerConfig:
 
 class Scheduler(ABC):
     def __init__(self, config: SchedulerConfig, req_pool: ReqToTokenPool,
-                 kv_pool: TokenToKVPool, stop_checker: StopChecker):
+                 kv_pool: TokenToKVPool, stop_checker: StopChecker,
+                 state_pool: MambaStatePool | None = None):
         self.config = config
         self.req_pool = req_pool
         self.kv_pool = kv_pool
+        self.state_pool = state_pool  # hybrid models: one committed state slot per request
         self.stop_checker = stop_checker
         self.waiting: deque[Req] = deque()
         self.running: dict[str, Req] = {}  # admission order
@@ -106,6 +108,10 @@ class Scheduler(ABC):
         pages = self.kv_pool.pages_for(req.reserved_len)
         if pages > self.kv_pool.num_free_pages or self.req_pool.num_free == 0:
             return False
+        if self.state_pool is not None:
+            if self.state_pool.num_free == 0:
+                return False
+            req.state_slot = self.state_pool.alloc()
         req.req_pool_idx = self.req_pool.alloc()
         req.kv_pages = self.kv_pool.alloc_pages(pages)
         n = req.reserved_len
@@ -140,6 +146,9 @@ class Scheduler(ABC):
         if req.kv_pages:
             self.kv_pool.free_pages(req.kv_pages)
             req.kv_pages = []
+        if req.state_slot is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
 
     def check_memory(self) -> None:
         """Accounting: every page and request slot is either free or held by a running
@@ -151,6 +160,13 @@ class Scheduler(ABC):
             f"{self.kv_pool.num_free_pages} free, {len(held)} held")
         slots = [r.req_pool_idx for r in self.running.values()]
         assert len(slots) + self.req_pool.num_free == self.req_pool.max_reqs, "request slots leaked"
+        if self.state_pool is not None:
+            states = [r.state_slot for r in self.running.values()]
+            assert None not in states and len(states) == len(set(states)), (
+                "a running request without its state slot, or a slot held twice")
+            assert len(states) + self.state_pool.num_free == self.state_pool.num_slots, (
+                f"state slots leaked: {self.state_pool.num_slots} usable, "
+                f"{self.state_pool.num_free} free, {len(states)} held")
 
     # ---- shared steps ------------------------------------------------------------------
     def chunk_prefill(self, target: Callable[[Req], int], granule: int) -> list[tuple[Req, int, int]]:

@@ -48,6 +48,32 @@ class Batch(Protocol):
     memo: dict
 
 
+class StatePoolLike(Protocol):
+    """The recurrent-state pool a hybrid model reads and writes (the runner's
+    ``MambaStatePool``): per Mamba layer, conv states ``[slots, conv_dim, K − 1]`` and SSM
+    states ``[slots, heads, head_dim, d_state]``; slot 0 is the padding slot."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv, ssm)`` of Mamba layer ``index`` (counted over the Mamba layers only)."""
+
+
+class StateBatch(Batch, Protocol):
+    """What a hybrid (Mamba2 + attention) model reads of the batch besides ``Batch``: the
+    state pool, and per row the slot its state is read from and the slot the state after
+    the row is written to (``state_write_slots`` 0, the padding slot, for a forward whose
+    state is discarded: a block-diffusion denoise step). ``extend_lens_cpu`` are the rows'
+    token counts on the host; ``is_decode``: one token per row (the recurrence's one-step
+    form)."""
+
+    state_pool: StatePoolLike | None
+    state_read_slots: torch.Tensor | None  # [bs] int64
+    state_write_slots: torch.Tensor | None  # [bs] int64
+    extend_lens_cpu: list[int]
+
+    @property
+    def is_decode(self) -> bool: ...
+
+
 class Attention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float | None = None):

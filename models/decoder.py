@@ -38,11 +38,12 @@ class AttentionSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope: RopeSpec
+    rope: RopeSpec | None  # None: no positional encoding (NoPE)
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     norm_eps: float = 1e-6
+    scaling: float | None = None  # the softmax scale; None: head_dim ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -89,7 +90,8 @@ def hf_attention_spec(config: ModelConfig, *, qkv_bias: bool, out_bias: bool,
 
 class SelfAttention(UsesOps, nn.Module):
     """The checkpoint's ``q_proj``/``k_proj``/``v_proj`` packed into one ``qkv_proj`` GEMM at
-    load, ``o_proj``, per-head ``q_norm``/``k_norm`` (Qwen3) and RoPE."""
+    load, ``o_proj``, per-head ``q_norm``/``k_norm`` (Qwen3) and RoPE (none when
+    ``spec.rope`` is None: ``rotary_emb`` is None)."""
 
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
                       "v_proj": ("qkv_proj", 2)}
@@ -109,8 +111,8 @@ class SelfAttention(UsesOps, nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.norm_eps)
             self.k_norm = RMSNorm(d, spec.norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.rope)
-        self.attn = Attention(layer_id, local.num_heads, local.num_kv_heads, d)
+        self.rotary_emb = None if spec.rope is None else RotaryEmbedding(spec.rope)
+        self.attn = Attention(layer_id, local.num_heads, local.num_kv_heads, d, spec.scaling)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self.spec.qk_norm:

@@ -349,3 +349,18 @@ def state_bytes(dims: Mamba2Dims, conv_dtype: torch.dtype = torch.bfloat16,
     conv = math.prod(dims.conv_state_shape(1)) * torch.empty(0, dtype=conv_dtype).element_size()
     ssm = math.prod(dims.ssm_state_shape(1)) * torch.empty(0, dtype=ssm_dtype).element_size()
     return conv + ssm
+
+
+@dataclass(frozen=True)
+class MambaStateSpec:
+    """What a state pool must hold for one hybrid model: ``num_layers`` Mamba2 mixers of
+    ``dims`` each, the SSM state in ``ssm_dtype`` (fp32: transformers'
+    ``mamba_ssm_cache_dtype`` default), the conv state in the model's dtype."""
+
+    num_layers: int
+    dims: Mamba2Dims
+    ssm_dtype: torch.dtype = torch.float32
+
+    def slot_bytes(self, conv_dtype: torch.dtype) -> int:
+        """Bytes of one slot: every layer's conv and SSM state of one request."""
+        return self.num_layers * state_bytes(self.dims, conv_dtype, self.ssm_dtype)

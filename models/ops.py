@@ -32,7 +32,7 @@ class QKVAttention(Protocol):
     projection (``SelfAttention``)."""
 
     spec: AttentionSpec
-    rotary_emb: RotaryEmbedding
+    rotary_emb: RotaryEmbedding | None  # None: no positional encoding
     attn: Attention
     ops: LayerOps
 
@@ -98,7 +98,8 @@ class LayerOps:
         if q_weight is not None:
             q = self.head_rms_norm(q, q_weight, s.norm_eps)
             k = self.head_rms_norm(k, k_weight, s.norm_eps)
-        q, k = self.rope(attn.rotary_emb, positions, q, k, forward_batch.memo)
+        if attn.rotary_emb is not None:
+            q, k = self.rope(attn.rotary_emb, positions, q, k, forward_batch.memo)
         return (q.view(t, s.num_heads, s.head_dim), k.view(t, s.num_kv_heads, s.head_dim),
                 v.view(t, s.num_kv_heads, s.head_dim))
 

@@ -8,12 +8,16 @@ from typing import Literal
 
 from torch import nn
 
+from dllm.models.bamba import BambaForCausalLM
 from dllm.models.dream import DreamModel
 from dllm.models.fast_dllm import Fast_dLLM_QwenForCausalLM
+from dllm.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from dllm.models.llada import LLaDAModelLM
 from dllm.models.llada2 import LLaDA2MoeModelLM
 from dllm.models.llada_moe import LLaDAMoEModelLM
 from dllm.models.llama import LlamaForCausalLM
+from dllm.models.mamba2_lm import Mamba2ForCausalLM
+from dllm.models.nemotron_h import NemotronHForCausalLM
 from dllm.models.qwen2 import Qwen2ForCausalLM
 from dllm.models.qwen3 import Qwen3ForCausalLM
 from dllm.models.sdar import SDARForCausalLM
@@ -40,7 +44,8 @@ class ArchitectureSpec:
     the family's reference decoder, used when neither the engine nor
     ``generation_config.json`` names one. ``canvas_block_size``: a full-attention family's
     block when neither the request, the engine nor ``config.json`` sets one (None: the whole
-    canvas)."""
+    canvas). ``recurrent_state``: the network has Mamba2 layers, whose per-request state lives
+    in the runner's state pool (the hybrid models, DESIGN §6)."""
 
     name: str
     model_cls: type[nn.Module]
@@ -56,6 +61,7 @@ class ArchitectureSpec:
     default_algorithm: str | None = None
     algorithm_config: tuple[tuple[str, object], ...] = ()
     canvas_block_size: int | None = None
+    recurrent_state: bool = False
 
     @property
     def is_diffusion(self) -> bool:
@@ -101,6 +107,15 @@ _SPECS = (
     ArchitectureSpec("Qwen3ForCausalLM", Qwen3ForCausalLM, "causal_lm", "causal", logits_shift=1),
     ArchitectureSpec("Qwen2ForCausalLM", Qwen2ForCausalLM, "causal_lm", "causal", logits_shift=1),
     ArchitectureSpec("LlamaForCausalLM", LlamaForCausalLM, "causal_lm", "causal", logits_shift=1),
+    # Hybrid Mamba2 + attention (and pure Mamba2), autoregressive over the state pool.
+    ArchitectureSpec("GraniteMoeHybridForCausalLM", GraniteMoeHybridForCausalLM, "causal_lm",
+                     "causal", logits_shift=1, recurrent_state=True),
+    ArchitectureSpec("BambaForCausalLM", BambaForCausalLM, "causal_lm", "causal",
+                     logits_shift=1, recurrent_state=True),
+    ArchitectureSpec("NemotronHForCausalLM", NemotronHForCausalLM, "causal_lm", "causal",
+                     logits_shift=1, recurrent_state=True),
+    ArchitectureSpec("Mamba2ForCausalLM", Mamba2ForCausalLM, "causal_lm", "causal",
+                     logits_shift=1, recurrent_state=True),
 )
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.name: spec for spec in _SPECS}

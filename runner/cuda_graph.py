@@ -112,6 +112,7 @@ class CudaGraphRunner(Runner):
         padded = self._pad(batch, bs)
         fb = self.registry.load(padded, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, self.backends[bs]
+        fb.state_pool = self.owner.state_pool
         self.backends[bs].plan(fb, self.layer, self.dtype)
         return fb
 
@@ -170,6 +171,7 @@ class CudaGraphRunner(Runner):
         dummy = self._pad(self._empty(mode), bs)
         fb = self.registry.load(dummy, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, backend
+        fb.state_pool = self.owner.state_pool
         backend.plan(fb, self.layer, self.dtype)
         post = self.post_for(mode, bs, group, flags)
         stream = torch.cuda.Stream()
@@ -203,9 +205,12 @@ class CudaGraphRunner(Runner):
             list(batch.seq_lens), batch.attention_mask, batch.block_size, batch.block_offset,
             batch.logits_mode, row_groups=list(batch.row_groups),
             table_version=batch.table_version, carry=batch.carry, kind=batch.kind,
+            state_read_slots=list(batch.state_read_slots),
+            state_write_slots=list(batch.state_write_slots),
         )
         for i in range(n):
             out.add_row(f"<pad{i}>", 0, [0] * t, 0)
+            out.add_state(0 if batch.state_read_slots else None, 0)  # the padding slot
         fields = self.registry.fields
         for name in (set(fields) - set(_CORE)):
             f = fields[name]
@@ -233,7 +238,7 @@ def _flags(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
 
 
 _CORE = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens",
-         "extend_lens", "seq_lens")
+         "extend_lens", "seq_lens", "state_read_slots", "state_write_slots")
 
 
 def _detach(output: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from dllm.runner.attention.base import AttentionBackend, KVCache
+    from dllm.runner.memory import MambaStatePool
 
 
 class ForwardMode(enum.Enum):
@@ -86,6 +87,16 @@ class ForwardBatch:
     # Values the layers of one forward share (RoPE cos/sin), computed by the first layer
     # that needs them; cleared before every model call (so a graph capture recomputes them).
     memo: dict = field(default_factory=dict)
+    # Hybrid models (DESIGN §6): the recurrent-state pool and, per row, the slot each row's
+    # state is read from and the slot the state after the row is written to (0, the padding
+    # slot: discarded). Views of the input registry, zero-padded; None without a state pool.
+    state_pool: MambaStatePool | None = None
+    state_read_slots: torch.Tensor | None = None  # [bs] int64
+    state_write_slots: torch.Tensor | None = None  # [bs] int64
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
 
     @property
     def num_tokens(self) -> int:
@@ -154,6 +165,10 @@ class ScheduledBatch(Generic[RowT]):
     # ``carry[row_inputs["carry_row"][i]]`` where that is >= 0, else its host ``input_ids``.
     # Only for batches whose rows all have ``tokens_per_row`` tokens (denoise, decode).
     carry: torch.Tensor | None = None
+    # Hybrid models: each row's state slots (read, write), ``[bs]`` each; empty when the
+    # model has no recurrent state (``ForwardBatch.state_read_slots``).
+    state_read_slots: list[int] = field(default_factory=list)
+    state_write_slots: list[int] = field(default_factory=list)
     # The scheduler's own object of each row (``RowT``: ``dllm.scheduler.Row``, the request
     # and the block it denoises), handed back with the batch when its result is applied; the
     # runner never reads them. A result applied a step late must not reach a new request
@@ -183,6 +198,13 @@ class ScheduledBatch(Generic[RowT]):
         self.extend_lens.append(n)
         self.seq_lens.append(start + n if seq_len is None else seq_len)
 
+    def add_state(self, read: int | None, write: int | None) -> None:
+        """The state slots of the row just added (hybrid models; None: the model has no
+        state pool, nothing is recorded)."""
+        if read is not None:
+            self.state_read_slots.append(read)
+            self.state_write_slots.append(0 if write is None else write)
+
     def row(self, i: int) -> ScheduledBatch:
         """Row ``i`` alone (a one-request batch with the same settings)."""
         start = sum(self.extend_lens[:i])
@@ -195,6 +217,8 @@ class ScheduledBatch(Generic[RowT]):
             token_inputs={k: v[start:end] for k, v in self.token_inputs.items()},
             row_tensors={k: v[i : i + 1] for k, v in self.row_tensors.items()},
             row_groups=self.row_groups[i : i + 1], carry=self.carry,
+            state_read_slots=self.state_read_slots[i : i + 1],
+            state_write_slots=self.state_write_slots[i : i + 1],
             rows=self.rows[i : i + 1],
         )
         one.add_row(self.rids[i], self.req_pool_indices[i], self.input_ids[start:end],

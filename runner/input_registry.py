@@ -34,6 +34,11 @@ CORE_FIELDS: dict[str, Field] = {
     "extend_lens": Field("reqs", torch.int64, 1),
     "seq_lens": Field("reqs", torch.int64, 1),
 }
+# Hybrid models' state slots per row (read, write); padding rows use slot 0, the padding slot.
+STATE_FIELDS: dict[str, Field] = {
+    "state_read_slots": Field("reqs", torch.int64, 0),
+    "state_write_slots": Field("reqs", torch.int64, 0),
+}
 
 
 class InputRegistry:
@@ -50,7 +55,8 @@ class InputRegistry:
         self.max_tokens = max_tokens
         self.device = device
         # ``ScheduledBatch.carry``'s row index per request (-1: the host's input ids).
-        self.fields: dict[str, Field] = {**CORE_FIELDS, "carry_row": Field("reqs", torch.int64, -1)}
+        self.fields: dict[str, Field] = {**CORE_FIELDS, **STATE_FIELDS,
+                                         "carry_row": Field("reqs", torch.int64, -1)}
         self.buffers: dict[str, torch.Tensor] = {}
         self._host_bytes: list[torch.Tensor] = []  # the two pinned host mirrors
         self._dev_bytes: torch.Tensor | None = None
@@ -180,6 +186,8 @@ class InputRegistry:
             "input_ids": batch.input_ids, "positions": batch.positions,
             "req_pool_indices": batch.req_pool_indices, "prefix_lens": batch.prefix_lens,
             "extend_lens": batch.extend_lens, "seq_lens": batch.seq_lens,
+            "state_read_slots": batch.state_read_slots,
+            "state_write_slots": batch.state_write_slots,
         }
         if out_cache_loc is not None:
             host_values["out_cache_loc"] = out_cache_loc
@@ -239,4 +247,6 @@ class InputRegistry:
             extras=extras,
             row_groups=list(batch.row_groups),
             layout_key=key,
+            state_read_slots=self.buffers["state_read_slots"][:pbs],
+            state_write_slots=self.buffers["state_write_slots"][:pbs],
         )

@@ -187,7 +187,7 @@ class TritonOps(ResidualFusion, FlashInferOps):
     def qkv_rope(self, attn, qkv, positions, forward_batch):
         s = attn.spec
         fb = forward_batch
-        table = self.cos_sin.get(attn.rotary_emb.spec)
+        table = None if attn.rotary_emb is None else self.cos_sin.get(attn.rotary_emb.spec)
         if table is None or not self._qkv.supports(qkv, s.num_heads, s.num_kv_heads,
                                                    s.head_dim, table.shape[-1]):
             return super().qkv_rope(attn, qkv, positions, fb)

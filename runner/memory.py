@@ -122,3 +122,69 @@ class TokenToKVPool:
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+
+
+class MambaStatePool:
+    """Recurrent state of the hybrid models (DESIGN §6): per Mamba layer a conv state
+    ``[slots, conv_dim, K − 1]`` (the model dtype) and an SSM state ``[slots, heads, head_dim,
+    d_state]`` (``spec.ssm_dtype``, fp32), one slot per running request — its *committed*
+    state: the state after every token it has fed so far (the prompt chunks prefilled, the
+    tokens decoded).
+
+    Slot 0 is the padding slot: padding rows of a CUDA-graph batch read and write it, and a
+    forward whose state must be discarded (a block-diffusion denoise step) writes there, so
+    no live request's state is touched. A slot is zeroed when it is handed out (a fresh
+    request's state is zeros: the conv's zero padding and ``h_0 = 0``); the zeroing is a
+    device op queued behind every forward already launched, so a slot freed while a forward
+    that wrote it was still queued is safe to hand out again."""
+
+    PADDING_SLOT = 0
+
+    def __init__(self, num_slots: int, num_layers: int, conv_shape: tuple[int, int],
+                 ssm_shape: tuple[int, int, int], dtype: torch.dtype,
+                 ssm_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if num_slots < 1:
+            raise ValueError("the state pool needs at least one slot besides the padding slot")
+        self.num_slots = num_slots  # usable slots (slot 0 excluded)
+        self.num_layers = num_layers
+        self.conv = [torch.zeros(num_slots + 1, *conv_shape, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.ssm = [torch.zeros(num_slots + 1, *ssm_shape, dtype=ssm_dtype, device=device)
+                    for _ in range(num_layers)]
+        self._free: list[int] = list(range(num_slots, 0, -1))
+
+    @classmethod
+    def bytes_per_slot(cls, num_layers: int, conv_shape: tuple[int, int],
+                       ssm_shape: tuple[int, int, int], dtype: torch.dtype,
+                       ssm_dtype: torch.dtype = torch.float32) -> int:
+        conv = conv_shape[0] * conv_shape[1] * dtype.itemsize
+        ssm = ssm_shape[0] * ssm_shape[1] * ssm_shape[2] * ssm_dtype.itemsize
+        return num_layers * (conv + ssm)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv[index], self.ssm[index]
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfMemoryError("no free state slot")
+        slot = self._free.pop()
+        for conv, ssm in zip(self.conv, self.ssm, strict=True):
+            conv[slot].zero_()
+            ssm[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot == self.PADDING_SLOT or slot in self._free:
+            raise RuntimeError(f"state slot {slot} freed twice (or the padding slot)")
+        self._free.append(slot)
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)

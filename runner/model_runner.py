@@ -31,7 +31,7 @@ from dllm.runner.forward_batch import (
 )
 from dllm.runner.fused_layer import fuse_decoder_layers
 from dllm.runner.input_registry import InputRegistry
-from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
+from dllm.runner.memory import MambaStatePool, ReqToTokenPool, TokenToKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +137,14 @@ class ModelRunner:
         want = cfg.max_running_requests * -(-max_context // page) + 1
         if cfg.num_kv_pages is not None:
             pages = cfg.num_kv_pages + 1
+            self._init_state_pool(None)
         else:
             budget_gb = cfg.kv_cache_memory_gb
             if budget_gb is None:
                 budget_gb = self._default_kv_budget_gb()
-            pages = min(want, int(budget_gb * 2**30 // (per_token * page)) + 1)
+            budget = budget_gb * 2**30 - self._init_state_pool(budget_gb * 2**30)
+            pages = (min(want, int(budget // (per_token * page)) + 1) if per_token
+                     else want)  # no attention layer (Mamba2): pages only count tokens
         if cfg.tp_size > 1:  # every rank's scheduler must see the same pool: the smallest
             agreed = torch.tensor([pages], device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -151,6 +154,34 @@ class ModelRunner:
                                      spec.head_dim, cfg.dtype, self.device)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", pages - 1, page,
                     self.kv_pool.memory_bytes() / 2**20)
+
+    def _init_state_pool(self, budget: float | None) -> int:
+        """The recurrent-state pool of a hybrid model (None otherwise): one slot per running
+        request, out of the same memory budget as the KV cache (``budget`` bytes; None: the
+        KV pages are fixed, the slots are not limited). The slots take at most half the
+        budget; fewer slots than ``max_running_requests`` then bound the running requests
+        (admission waits for a free slot). Returns the bytes the pool holds."""
+        spec_of = getattr(self.model, "state_spec", None)
+        self.state_pool = None
+        if spec_of is None:
+            return 0
+        spec, cfg = spec_of(), self.config
+        dims = spec.dims
+        conv, ssm = dims.conv_state_shape(1)[1:], dims.ssm_state_shape(1)[1:]
+        per_slot = MambaStatePool.bytes_per_slot(spec.num_layers, conv, ssm, cfg.dtype,
+                                                 spec.ssm_dtype)
+        slots = cfg.max_running_requests
+        if budget is not None and per_slot:
+            slots = min(slots, int(budget / 2 // per_slot))
+            if slots < 1:
+                raise ValueError(f"the memory budget ({budget / 2**30:.2f} GiB) is too small for "
+                                 f"one recurrent-state slot ({per_slot / 2**20:.1f} MiB, at most "
+                                 "half the budget)")
+        self.state_pool = MambaStatePool(slots, spec.num_layers, conv, ssm, cfg.dtype,
+                                         spec.ssm_dtype, self.device)
+        logger.info("state pool: %d slots of %.2f MiB (%.1f MiB)", slots, per_slot / 2**20,
+                    self.state_pool.memory_bytes() / 2**20)
+        return self.state_pool.memory_bytes()
 
     def _default_kv_budget_gb(self) -> float:
         if self.device.type == "cuda":
@@ -226,6 +257,9 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, post: PostStep | None = None) -> Any:
         """Run ``batch`` and its post-step (``post``, else the one of its kind)."""
         post = post if post is not None else self.post_for(batch)
+        if (self.state_pool is not None and batch.mode is not ForwardMode.IDLE
+                and len(batch.state_read_slots) != batch.batch_size):
+            raise ValueError("a batch of a hybrid model needs the state slots of every row")
         runner = next(r for r in self.runners if r.can_run(batch))
         return runner.execute(runner.load_batch(batch), post)
 
@@ -255,6 +289,7 @@ class EagerRunner(Runner):
         fb = o.registry.load(batch, o.req_to_token)
         fb.kv_pool = o.kv_pool
         fb.attn_backend = o.backend
+        fb.state_pool = o.state_pool
         return fb
 
     def execute(self, forward_batch: ForwardBatch, post: PostStep | None) -> Any:

@@ -51,7 +51,23 @@ def test_every_architecture_loads_single_and_sharded(tmp_path: Path, arch: str) 
     assert torch.isfinite(logits).all()
     assert torch.equal(logits, forward_full(m2, ids, _mask(arch), 4))
     kv = m1.kv_cache_spec()
-    assert isinstance(kv, KVCacheSpec) and kv.num_layers == len(m1.model.layers)
+    if not spec.recurrent_state:
+        assert isinstance(kv, KVCacheSpec) and kv.num_layers == len(m1.model.layers)
+    else:  # KV for the attention layers, state for the Mamba layers
+        assert (kv.num_layers, m1.state_spec().num_layers) == _hybrid_layers(config)
+
+
+def _hybrid_layers(config: ModelConfig) -> tuple[int, int]:
+    """(attention layers, Mamba layers) of a hybrid config, by its own layout keys."""
+    n = config["num_hidden_layers"]
+    if "layer_types" in config:
+        return config["layer_types"].count("attention"), config["layer_types"].count("mamba")
+    if "hybrid_override_pattern" in config:
+        p = config["hybrid_override_pattern"]
+        return p.count("*"), p.count("M")
+    if "attn_layer_indices" in config:
+        return len(config["attn_layer_indices"]), n - len(config["attn_layer_indices"])
+    return 0, n
 
 
 def test_kv_cache_spec_values(tmp_path: Path) -> None:

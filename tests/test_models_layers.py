@@ -193,8 +193,15 @@ def test_registry_values() -> None:
         "Qwen3ForCausalLM": ("causal_lm", "causal", None, None, 1, None),
         "Qwen2ForCausalLM": ("causal_lm", "causal", None, None, 1, None),
         "LlamaForCausalLM": ("causal_lm", "causal", None, None, 1, None),
+        "GraniteMoeHybridForCausalLM": ("causal_lm", "causal", None, None, 1, None),
+        "BambaForCausalLM": ("causal_lm", "causal", None, None, 1, None),
+        "NemotronHForCausalLM": ("causal_lm", "causal", None, None, 1, None),
+        "Mamba2ForCausalLM": ("causal_lm", "causal", None, None, 1, None),
     }
     assert set(ARCHITECTURES) == set(want)
+    assert {n for n, s in ARCHITECTURES.items() if s.recurrent_state} == {
+        "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
+        "Mamba2ForCausalLM"}
     for name, (kind, attn, mask, block, shift, sub) in want.items():
         s = get_architecture(name)
         assert (s.kind, s.attention, s.default_mask_id, s.default_block_size, s.logits_shift,

@@ -344,7 +344,7 @@ def weights_digest(path: str | Path) -> str:
 
 
 def supported_architectures() -> list[str]:
-    return sorted(RELEASES)
+    return sorted(set(RELEASES) | set(HYBRID_RELEASES))
 
 
 def make_tiny_checkpoint(architecture: str, path: str | Path, seed: int = 0, *, shards: int = 1,
@@ -353,6 +353,9 @@ def make_tiny_checkpoint(architecture: str, path: str | Path, seed: int = 0, *, 
     ``config_overrides`` replace config keys (sizes, ``tie_word_embeddings``, MoE options, ...)
     before the tensors are laid out; ``shards=2`` writes two shards and an index. A config's
     ``torch_dtype`` is ``dtype``, the weights' dtype (the releases say bfloat16)."""
+    if architecture in HYBRID_RELEASES:  # the hybrids' own recipe (their own weight laws)
+        return make_tiny_hybrid_checkpoint(architecture, path, seed, shards=shards, dtype=dtype,
+                                           **config_overrides)
     if architecture not in RELEASES:
         raise ValueError(f"no tiny checkpoint recipe for {architecture!r}; "
                          f"known: {', '.join(supported_architectures())}")

@@ -406,9 +406,9 @@ RELEASES: dict[str, Release] = {
 
 
 # =============================================================================================
-# Hybrid Mamba2 + attention architectures (issue 20). Kept apart from ``RELEASES`` until the
-# engine serves them (``RELEASES`` must equal the engine's registry); the factory builds them
-# with ``make_tiny_hybrid_checkpoint``.
+# Hybrid Mamba2 + attention architectures (issue 20), served autoregressively. Kept apart
+# from ``RELEASES`` (their weights follow their own laws): the factory builds them with
+# ``make_tiny_hybrid_checkpoint``, which ``make_tiny_checkpoint`` calls for them.
 #
 # The released ``config.json`` files of these checkpoints were not found in any public copy
 # the search tools hold (hub downloads are not reachable here), so none is kept under
