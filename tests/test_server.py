@@ -393,8 +393,10 @@ def test_unknown_route_and_method(http):
 
 
 def test_server_survives_bad_input(http, client, model_name):
+    json_type = {"content-type": "application/json"}
     for raw in [b"\x00" * 100, b"[" * 1000, b'{"prompt": {"a": 1}}', b"null", b"1e999"]:
-        assert http.post("/v1/completions", content=raw).status_code == 400
+        assert http.post("/v1/completions", content=raw, headers=json_type).status_code == 400
+        assert_error(http.post("/v1/completions", content=raw), 415)  # no JSON content type
     assert client.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
 
 
@@ -406,7 +408,8 @@ def test_body_too_large(http):
         for _ in range(MAX_REQUEST_BYTES // 1000 + 10):
             yield b" " * 1000
 
-    assert_error(http.post("/v1/completions", content=chunks()), 413)
+    assert_error(http.post("/v1/completions", content=chunks(),
+                           headers={"content-type": "application/json"}), 413)
     assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
