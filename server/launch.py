@@ -27,6 +27,7 @@ logger = logging.getLogger("dllm.server")
 SPARE_FDS = 64
 # uvicorn's own grace comes after ours: by then every request has ended.
 UVICORN_GRACE_S = 10.0
+SWITCH_INTERVAL_S = 0.001
 
 
 class DllmServer(uvicorn.Server):
@@ -79,6 +80,9 @@ def run_server(config: ServerConfig) -> int:
     for name in ("dllm.server", "uvicorn.error", "asyncio"):
         logging.getLogger(name).addFilter(limiter)
     connections = _raise_fd_limit(config.limit_concurrency)
+    # The event loop (every connection, /health) waits at most this long for the engine
+    # thread's Python code to hand over the interpreter lock (the default is 5 ms).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = build_app(config)
     state: ServerState = app.state.dllm
     server = DllmServer(uvicorn.Config(
