@@ -52,8 +52,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def step(name: str, coro_or_value: Any) -> None:
         t = time.perf_counter()
-        value = asyncio.run(coro_or_value) if asyncio.iscoroutine(coro_or_value) \
-            else coro_or_value
+        try:
+            value = asyncio.run(coro_or_value) if asyncio.iscoroutine(coro_or_value) \
+                else coro_or_value()
+        except Exception as exc:  # noqa: BLE001 - a scenario the server broke: recorded
+            value = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
         figures[name] = value
         print(f"{name} ({time.perf_counter() - t:.0f} s): {json.dumps(value)}", flush=True)
 
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                           list_trials=5 if quick else 20))
         step("sigterm", h.sigterm_under_load(term, long_streams=6, long_plain=4, short=6,
                                              shutdown_timeout=args.shutdown_timeout))
-        step("sigint_idle", h.sigint_idle(s))
+        step("sigint_idle", lambda: h.sigint_idle(s))
     with h.serving(logs, ("fds", ()), python=args.python, max_fds=MAX_FDS) as (fds,):
         step("connection_limit", h.connection_limit(fds, limit=HOLD, extra=20))
     return figures
@@ -173,10 +176,21 @@ def main() -> int:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="the SIGTERM scenario's grace (the old server's is fixed at 5 s)")
     p.add_argument("--quick", action="store_true", help="smaller counts (a try-out)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: print and write the table of these runs' .json files, "
+                        "one column each")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args()
     from bench.report import stamp, write_report
 
+    if args.combine:
+        runs = [json.loads(Path(f).read_text()) for f in args.combine]
+        md = table([(r["label"], r["figures"]) for r in runs])
+        print(md)
+        header = ("# stress: " + " / ".join(f"{r['label']} (server `{r['python']}`, client "
+                                            f"commit {r['commit']})" for r in runs) + "\n\n")
+        print(f"wrote {write_report(args.out, 'stress', header + md, {'runs': args.combine}, f'{stamp()}-combined')}")
+        return 0
     t = time.perf_counter()
     figures = run(args)
     figures["big_prompts"]["parallel_n"] = args.parallel

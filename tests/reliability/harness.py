@@ -427,7 +427,13 @@ async def fuzz(server: Server, n: int, seed: int = 0, concurrency: int = 8) -> d
 
     async def one(c: httpx.AsyncClient, route: str, raw: bytes, headers: dict[str, str]):
         async with sem:
-            r = await c.post(route, content=raw, headers=headers)
+            try:
+                r = await c.post(route, content=raw, headers=headers)
+            except httpx.HTTPError as exc:  # the server dropped the connection
+                key = type(exc).__name__
+                by_route[route][key] = by_route[route].get(key, 0) + 1
+                bad.append(f"{route} {key} {raw[:80]!r}")
+                return
         by_route[route][r.status_code] = by_route[route].get(r.status_code, 0) + 1
         if not (400 <= r.status_code < 500 and is_openai_error(r.status_code, r.content)):
             bad.append(f"{route} {r.status_code} {raw[:80]!r} -> {r.text[:160]}")
@@ -438,7 +444,8 @@ async def fuzz(server: Server, n: int, seed: int = 0, concurrency: int = 8) -> d
     alive = httpx.post(server.url + "/v1/completions", json=BASE["/v1/completions"],
                        timeout=60).status_code
     return {"bodies": len(bodies), "not_4xx_openai": len(bad), "bad_samples": bad[:5],
-            "status_by_route": {r: dict(sorted(v.items())) for r, v in by_route.items()},
+            "status_by_route": {r: dict(sorted(v.items(), key=str)) for r, v in
+                                by_route.items()},
             "answers_after": alive, **probe.figures()}
 
 
