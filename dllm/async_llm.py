@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,59 @@ class _Stream:
     rejected: bool = False  # never entered the engine: leaving must not abort its rid
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine thread saw at the end of its last loop turn: read by anyone, without
+    the engine lock (``AsyncLLM.stats``)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used_pages: int = 0
+    kv_total_pages: int = 0
+    steps: int = 0
+
+
+class RequestStream:
+    """The chunks of one request handed to the engine (``AsyncLLM.open_stream``): one per
+    committed block, the last with ``finished=True``. ``aclose()`` before the end aborts the
+    request, whether or not it was ever iterated."""
+
+    def __init__(self, llm: AsyncLLM, stream: _Stream):
+        self._llm = llm
+        self._stream = stream
+        self._done = False
+        self.finished = False
+
+    @property
+    def rid(self) -> str:
+        return self._stream.req.rid
+
+    @property
+    def rejected(self) -> bool:
+        """The engine refused the request (it never ran)."""
+        return self._stream.rejected
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = self.finished = True
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            if not self._stream.rejected:
+                self._llm.abort(self.rid)
+
+
 class AsyncLLM:
     def __init__(self, model: str | None = None, engine: Engine | None = None,
                  **engine_args: Any):
@@ -44,6 +97,7 @@ class AsyncLLM:
         # inbox, so handing a request over never waits for a step to end.
         self._engine_lock = threading.Lock()
         self._busy = False  # the engine had work after its last step (engine thread only)
+        self.stats = self._stats()  # replaced (never mutated) by the engine thread
         self._thread = threading.Thread(target=self._loop, name="dllm-engine", daemon=True)
         self._thread.start()
 
@@ -54,6 +108,22 @@ class AsyncLLM:
         with self._engine_lock:  # the engine thread also uses the tokenizer and rid counter
             return self.engine.make_request(prompt, params, rid)
 
+    def make_request_from_ids(self, ids: list[int], params: SamplingParams, rid: str) -> Req:
+        """``make_request`` for a prompt already tokenized, with its id given, without the
+        engine lock: for token ids the request factory reads only what never changes after
+        the engine is built (its layout, the pool sizes for ``check_fits``) and its seed
+        generator, never the tokenizer or the rid counter, so a request is built without
+        waiting for an engine step to end."""
+        return self.engine.make_request(ids, params, rid)
+
+    def open_stream(self, req: Req) -> RequestStream:
+        """Hand ``req`` to the engine now, and return its chunks. The hand-over is posted
+        before this returns, so an ``abort`` posted afterwards always finds the request
+        (the engine applies its inbox in order)."""
+        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue())
+        self._post("add", stream)
+        return RequestStream(self, stream)
+
     async def generate_stream(self, prompt: Prompt | Req,
                               sampling_params: SamplingParams | None = None,
                               rid: str | None = None) -> AsyncIterator[StreamChunk]:
@@ -61,21 +131,12 @@ class AsyncLLM:
         iteration early (client gone) aborts the request and frees its memory."""
         req = prompt if isinstance(prompt, Req) else await asyncio.to_thread(
             self.make_request, prompt, sampling_params, rid)  # the engine lock, off the loop
-        stream = _Stream(req, asyncio.get_running_loop(), asyncio.Queue())
-        self._post("add", stream)
-        finished = False
+        stream = self.open_stream(req)
         try:
-            while True:
-                chunk = await stream.queue.get()
-                if isinstance(chunk, BaseException):
-                    raise chunk
+            async for chunk in stream:
                 yield chunk
-                if chunk.finished:
-                    finished = True
-                    return
         finally:
-            if not finished and not stream.rejected:
-                self.abort(req.rid)
+            await stream.aclose()
 
     async def generate(self, prompt: Prompt | Req, sampling_params: SamplingParams | None = None,
                        rid: str | None = None) -> RequestOutput:
@@ -110,7 +171,19 @@ class AsyncLLM:
         return reqs
 
     def abort(self, rid: str) -> None:
-        self._post("abort", rid)
+        self._post("abort", (rid, None))
+
+    def abort_and_confirm(self, rids: Sequence[str]) -> Awaitable[bool]:
+        """Abort ``rids`` (posted before this returns); the result is True if the engine
+        held any of them unfinished (and so ended it with ``finish_reason="abort"``), False
+        if they had all finished or never existed."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for rid in rids:
+            future = loop.create_future()
+            self._post("abort", (rid, (loop, future)))
+            futures.append(future)
+        return asyncio.ensure_future(_any(futures))
 
     def shutdown(self) -> None:
         with self._cv:
@@ -150,6 +223,7 @@ class AsyncLLM:
                     logger.exception("engine step failed")
                     changed = self._fail_all(exc)
                 self._busy = self.engine.has_work
+                self.stats = self._stats()
             for req in changed:
                 self._emit(req)
         for stream in list(self._streams.values()):
@@ -169,9 +243,21 @@ class AsyncLLM:
                 return
             self._streams[rid] = stream
         elif kind == "abort":
-            req = self.engine.abort(item)
+            rid, reply = item
+            req = self.engine.abort(rid)
             if req is not None:
                 self._emit(req)
+            if reply is not None:
+                loop, future = reply
+                try:
+                    loop.call_soon_threadsafe(_resolve, future, req is not None)
+                except RuntimeError:  # the caller's loop is closed
+                    pass
+
+    def _stats(self) -> EngineStats:
+        s, kv = self.engine.scheduler, self.engine.kv_pool
+        return EngineStats(len(s.running), len(s.waiting), kv.num_used_pages,
+                           kv.num_usable_pages, self.engine.step_count)
 
     def _fail_all(self, exc: Exception) -> list[Req]:
         reqs = list(self.engine.scheduler.running.values()) + list(self.engine.scheduler.waiting)
@@ -222,6 +308,15 @@ class AsyncLLM:
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             output=self.engine.output_of(req) if finished else None,
         )
+
+
+async def _any(futures: list[asyncio.Future]) -> bool:
+    return any(await asyncio.gather(*futures))
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _stable_prefix(text: str, stops: list[str]) -> str:

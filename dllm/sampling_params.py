@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dllm.algorithms.base import KNOWN_KEYS
+from dllm.algorithms.base import KEY_SPECS, KNOWN_KEYS
 
 # Per-request diffusion keys accepted inside ``SamplingParams.dllm`` (DESIGN §5).
 DLLM_KEYS = KNOWN_KEYS
 # Full-attention models (LLaDA, Dream): how the KV of a step is reused (``dllm.full_diffusion``).
 CACHE_MODES = ("exact", "prefix", "dual")
+# Integers land in int64 tensors (the step's seed and top-k buffers, token ids).
+INT64_MAX = 2**63 - 1
+# The block size a key's "at most the block" range is checked against before the request's
+# block is known (the request factory checks it again against the real one).
+_ANY_BLOCK = INT64_MAX
 
 
 @dataclass
@@ -62,12 +68,31 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown dllm setting(s): {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(DLLM_KEYS))}")
-        check_engine_keys(self.dllm)
+        check_dllm_values(self.dllm)
 
     @property
     def effective_top_k(self) -> int:
         """0 means no top-k filtering (-1 is accepted as vLLM's spelling of the same)."""
         return max(self.top_k, 0)
+
+
+def check_dllm_values(dllm: dict[str, Any]) -> None:
+    """Type and range of every ``dllm`` key given, whichever algorithm reads it (the
+    algorithm checks its own keys again, against the request's block size)."""
+    algorithm = dllm.get("algorithm")
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise ValueError(f"dllm.algorithm must be a string, got {algorithm!r}")
+    for key, value in dllm.items():
+        spec = KEY_SPECS.get(key)
+        if spec is not None:
+            try:
+                spec.check(key, value, _ANY_BLOCK)
+            except ValueError as exc:
+                raise ValueError(f"dllm.{exc}") from None
+            if spec.kind is int and value > INT64_MAX:
+                raise ValueError(f"dllm.{key!r} = {value} is out of range (at most "
+                                 f"{INT64_MAX})")
+    check_engine_keys(dllm)
 
 
 def check_engine_keys(dllm: dict[str, Any]) -> None:
@@ -80,15 +105,15 @@ def check_engine_keys(dllm: dict[str, Any]) -> None:
                          f"got {dllm['cache_mode']!r}")
     if "cfg_scale" in dllm:
         _check_number("dllm.cfg_scale", dllm["cfg_scale"], lo=0.0)
-        if dllm["cfg_scale"] == float("inf"):
-            raise ValueError("dllm.cfg_scale must be finite")
 
 
-def _check_int(name: str, value: Any, lo: int | None = None) -> None:
+def _check_int(name: str, value: Any, lo: int | None = None, hi: int = INT64_MAX) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {str(value)[:40]}")
 
 
 def _check_number(name: str, value: Any, lo: float | None = None,
@@ -97,6 +122,12 @@ def _check_number(name: str, value: Any, lo: float | None = None,
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
         raise ValueError(f"{name} must be a number, got NaN")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be finite, got {str(value)[:40]}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:

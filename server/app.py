@@ -22,23 +22,38 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dllm.async_llm import AsyncLLM
 from dllm.server.args import ServerConfig
-from dllm.server.metrics import CONTENT_TYPE, ServerMetrics, engine_stats
-from dllm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from dllm.server.limits import check_body
+from dllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from dllm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware
 from dllm.server.native_api import NativeServing
 from dllm.server.openai_api import OpenAIServing
 from dllm.server.protocol import (
     AbortRequest,
     APIError,
-    bad_request,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    GenerateRequest,
+    check_rid,
     not_ready,
     parse_json_object,
     validate,
 )
-from dllm.server.serving import Serving
+from dllm.server.serving import Serving, shutting_down
 
 logger = logging.getLogger("dllm.server")
 DISCONNECT_POLL_S = 0.25
-MAX_REQUEST_ID = 256
+# Bodies larger than this are parsed and validated in a worker thread, off the event loop.
+LARGE_BODY_BYTES = 256 * 1024
+
+
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a string the client sent (a lone
+    surrogate included) can be echoed without failing to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
 
 
 class ServerState:
@@ -53,6 +68,7 @@ class ServerState:
         self.native: NativeServing | None = None
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None
+        self.closing = False
 
     async def load(self) -> None:
         try:
@@ -64,16 +80,33 @@ class ServerState:
             if self.on_load_error is not None:
                 self.on_load_error()
             return
-        serving = Serving(self.llm, self.config.engine.served_model_name, self.metrics)
+        serving = Serving(self.llm, self.config.engine.served_model_name, self.metrics,
+                          self.config.limits)
         self.openai, self.native = OpenAIServing(serving), NativeServing(serving)
         self.serving = serving
+        if self.closing:
+            serving.closing = True
         logger.info("serving %s (%s) as %r", serving.model_path,
                     self.llm.engine.info.architecture, serving.model_name)
 
     def ready(self) -> Serving:
+        if self.closing:
+            raise shutting_down()
         if self.serving is None:
             raise not_ready()
         return self.serving
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """SIGTERM / SIGINT: refuse new requests now, end the running ones with an error
+        after ``timeout`` seconds (those that finish before then answer as usual)."""
+        self.closing = True
+        if self.serving is not None:
+            serving = self.serving
+            serving.closing = True
+            if serving.num_in_flight:
+                logger.info("shutting down: waiting up to %.0f s for %d request(s)", timeout,
+                            serving.num_in_flight)
+            asyncio.get_running_loop().call_later(timeout, serving.end_all)
 
 
 def _build_llm(config: ServerConfig) -> AsyncLLM:
@@ -95,15 +128,20 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
             loading.cancel()
             if state.llm is not None:
                 await asyncio.to_thread(state.llm.shutdown)
+            if state.serving is not None:
+                state.serving.close()
 
     app = FastAPI(title="dllm", lifespan=lifespan)
     app.state.dllm = state
     _add_error_handlers(app)
     _add_routes(app, state)
-    # Added last = outermost: auth answers before the body is read.
+    # Added last = outermost: auth answers first, then the header and content-type checks,
+    # all before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(RequestGuardMiddleware, max_headers=config.max_headers)
     if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
+                           metrics=config.api_key_metrics)
     return app
 
 
@@ -112,58 +150,79 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         state.ready()
-        return JSONResponse({"status": "ok"})
+        return ASCIIJSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.serving is not None:
-            stats = await asyncio.to_thread(state.llm.call_in_engine, engine_stats)
-            state.metrics.set_engine_stats(*stats)
+        if state.llm is not None and state.serving is not None:
+            s = state.llm.stats  # kept by the engine thread: no lock, no wait for a step
+            state.metrics.set_engine_stats(s.running, s.waiting, s.kv_used_pages,
+                                           s.kv_total_pages)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:
         s = state.ready()
-        return JSONResponse({"object": "list", "data": [{
+        return ASCIIJSONResponse({"object": "list", "data": [{
             "id": s.model_name, "object": "model", "created": s.created, "owned_by": "dllm",
             "root": s.model_path, "max_model_len": s.context_length}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        state.ready()
-        body = parse_json_object(await request.body())
-        return await _answer(request, state.openai.completions(body, _request_id(request)))
+        s = state.ready()
+        rid = _request_id(request, s)
+        body = await _body(request, s, "/v1/completions", CompletionRequest)
+        return await _answer(request, state.openai.completions(body, rid))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        state.ready()
-        body = parse_json_object(await request.body())
-        return await _answer(request, state.openai.chat(body, _request_id(request)))
+        s = state.ready()
+        rid = _request_id(request, s)
+        body = await _body(request, s, "/v1/chat/completions", ChatCompletionRequest)
+        return await _answer(request, state.openai.chat(body, rid))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        state.ready()
-        body = parse_json_object(await request.body())
+        s = state.ready()
+        body = await _body(request, s, "/v1/embeddings", EmbeddingRequest)
         return await _answer(request, state.openai.embeddings(body))
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        state.ready()
-        body = parse_json_object(await request.body())
+        s = state.ready()
+        body = await _body(request, s, "/generate", GenerateRequest)
         return await _answer(request, state.native.generate(body))
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         serving = state.ready()
-        req: AbortRequest = validate(AbortRequest, parse_json_object(await request.body()))
-        return JSONResponse({"rid": req.rid, "aborted": serving.abort(req.rid)})
+        raw = await request.body()
+        body = parse_json_object(raw)
+        req: AbortRequest = validate(AbortRequest, body)
+        rid = check_rid(req.rid, "rid", serving.limits.max_rid_length)
+        return ASCIIJSONResponse({"rid": rid, "aborted": await serving.abort(rid)})
 
 
-def _request_id(request: Request) -> str | None:
+def _request_id(request: Request, serving: Serving) -> str | None:
     rid = request.headers.get("x-request-id")
-    if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()):
-        raise bad_request(f"X-Request-Id must be 1 to {MAX_REQUEST_ID} printable characters")
+    if rid is not None:
+        check_rid(rid, "X-Request-Id", serving.limits.max_rid_length)
     return rid
+
+
+def _parse(raw: bytes, serving: Serving, route: str, model: type | None) -> Any:
+    body = parse_json_object(raw)
+    check_body(route, body, serving.limits, serving.context_length)
+    return body if model is None else validate(model, body)
+
+
+async def _body(request: Request, serving: Serving, route: str, model: type) -> Any:
+    """The parsed body: a dict, or for a large body the validated model, both made in a
+    worker thread so that the event loop (``/health``, every stream) does not wait."""
+    raw = await request.body()
+    if len(raw) <= LARGE_BODY_BYTES:
+        return _parse(raw, serving, route, None)
+    return await asyncio.to_thread(_parse, raw, serving, route, model)
 
 
 async def _answer(request: Request, work: Awaitable[Any]) -> Response:
@@ -183,14 +242,22 @@ async def _answer(request: Request, work: Awaitable[Any]) -> Response:
     if isinstance(result, AsyncIterator):
         return SSEResponse(_sse(result), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(result)
+    return ASCIIJSONResponse(result)
 
 
-async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+def sse_event(chunk: dict) -> bytes:
+    data = json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return f"data: {data}\n\n".encode()
+    except UnicodeEncodeError:  # a lone surrogate: escape everything instead
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield sse_event(chunk)
+        yield b"data: [DONE]\n\n"
     finally:
         await chunks.aclose()
 
@@ -210,26 +277,27 @@ class SSEResponse(StreamingResponse):
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
-        return JSONResponse(exc.to_dict(), status_code=exc.status)
+        return ASCIIJSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
         err = (exc.errors() or [{}])[0]
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        return await api_error(_, bad_request(f"{loc}: {err.get('msg', 'invalid request')}",
-                                              loc or None))
+        return await api_error(_, APIError(400, f"{loc}: {err.get('msg', 'invalid request')}",
+                                           "invalid_request_error", loc or None,
+                                           "invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         types = {404: "not_found_error", 405: "invalid_request_error"}
         error = APIError(exc.status_code, str(exc.detail),
                          types.get(exc.status_code, "invalid_request_error"))
-        return JSONResponse(error.to_dict(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return ASCIIJSONResponse(error.to_dict(), status_code=exc.status_code,
+                                 headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.error("internal error", exc_info=exc)
         error = APIError(500, f"internal server error ({type(exc).__name__})", "server_error",
                          None, "internal_error")
-        return JSONResponse(error.to_dict(), status_code=500)
+        return ASCIIJSONResponse(error.to_dict(), status_code=500)

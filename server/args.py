@@ -1,10 +1,16 @@
 """The server's own flags and config (light: no FastAPI import, so ``dllm --help`` stays fast).
-The engine flags are ``dllm.cli_args.add_engine_args``."""
+The engine flags are ``dllm.cli_args.add_engine_args``.
+
+Each ``ServerConfig`` field below is one flag: its spelling, type, default and help come from
+the field, so ``--help`` cannot drift from the config. The request limits (``Limits``) are
+shared with ``dllm generate``, which runs the same validation in-process."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 from dllm.config import EngineConfig
 
@@ -12,13 +18,74 @@ DEFAULT_MAX_REQUEST_BYTES = 10 * 2**20
 
 
 @dataclass(frozen=True)
+class Limits:
+    """Bounds on the work one request, and all requests together, may ask for. Checked
+    before anything is tokenized or reaches the engine; a request over one gets a 400 (429
+    for the queue) naming it."""
+
+    max_prompts_per_request: int = field(default=64, metadata={
+        "help": "prompts one request may carry (a prompt list, /generate's text or input_ids "
+                "list)"})
+    max_stop_strings: int = field(default=32, metadata={
+        "help": "stop strings, and separately stop token ids, one request may give"})
+    max_stop_length: int = field(default=256, metadata={
+        "help": "characters of one stop string"})
+    max_dllm_steps: int = field(default=4096, metadata={
+        "help": "largest value of the dllm loop counts: steps_per_block, steps and "
+                "max_post_edit_steps"})
+    max_rid_length: int = field(default=256, metadata={
+        "help": "characters of a request id (/generate's rid, X-Request-Id, /abort_request); "
+                "ids are printable ASCII without spaces"})
+    max_queued_tokens: int = field(default=0, metadata={
+        "help": "prompt + max_tokens of all the requests the server holds at once (running "
+                "or waiting); a request that would go over gets a 429 with Retry-After "
+                "(0: four times the KV cache's tokens)"})
+    tokenizer_workers: int = field(default=2, metadata={
+        "help": "threads that tokenize prompts, off the engine lock"})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            low = 0 if f.name == "max_queued_tokens" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{f.name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    log_level: str = "info"
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "address to bind (0.0.0.0: all)"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1/*, /generate and /abort_request"})
+    api_key_metrics: bool = field(default=False, metadata={
+        "help": "with --api-key, /metrics needs the key too"})
+    max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata={
+        "help": "larger request bodies get a 413 (default: 10 MiB)"})
+    log_level: str = field(default="info", metadata={
+        "choices": ["critical", "error", "warning", "info", "debug"], "help": "log level"})
+    limit_concurrency: int = field(default=512, metadata={
+        "help": "open connections at once; a connection over it gets a 503 and is closed "
+                "at once"})
+    max_header_bytes: int = field(default=16384, metadata={
+        "help": "bytes of a request's line and headers; over it: 400 and the connection "
+                "closes"})
+    max_headers: int = field(default=100, metadata={
+        "help": "headers of one request; over it: 431"})
+    header_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a connection may take to send a request's headers (from when it "
+                "opened or its last response ended); then it is closed (408 if it sent "
+                "part of them)"})
+    body_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request may take to send its body once its headers are in; then "
+                "408 and the connection closes"})
+    timeout_keep_alive: float = field(default=5.0, metadata={
+        "help": "seconds an idle keep-alive connection stays open"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "on SIGTERM or SIGINT: seconds the requests running may take to finish; "
+                "then the rest end with an error (503 / an error event and [DONE])"})
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -27,21 +94,51 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        for name in ("limit_concurrency", "max_header_bytes", "max_headers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("header_timeout", "body_timeout", "timeout_keep_alive",
+                     "shutdown_timeout"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+
+_NOT_FLAGS = ("engine", "limits")
+
+
+def _add_fields(g: argparse._ArgumentGroup, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        if isinstance(f.default, bool):
+            kw["action"] = "store_true"
+        elif f.default is not None and not isinstance(f.default, str):
+            kw["type"] = type(f.default)
+        if kw.get("type") in (int, float) or "choices" in kw:
+            kw["help"] += " (default: %(default)s)" if "default:" not in kw["help"] else ""
+        g.add_argument(flag, **kw)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /generate and "
-                        "/abort_request")
-    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="larger request bodies get a 413 (default: 10 MiB)")
-    g.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    _add_fields(p.add_argument_group("server"), ServerConfig)
+    add_limit_args(p)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    _add_fields(p.add_argument_group("request limits"), Limits)
+
+
+def limits_from_args(args: argparse.Namespace) -> Limits:
+    return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)
+                     if hasattr(args, f.name)})
 
 
 def server_config_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerConfig:
-    return ServerConfig(engine=engine, host=args.host, port=args.port, api_key=args.api_key,
-                        max_request_bytes=args.max_request_bytes, log_level=args.log_level)
+    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _NOT_FLAGS]
+    return ServerConfig(engine=engine, limits=limits_from_args(args),
+                        **{n: getattr(args, n) for n in names})

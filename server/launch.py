@@ -1,17 +1,74 @@
-"""Start the server: ``dllm serve --model DIR`` and ``python -m dllm.server --model DIR``."""
+"""Start the server: ``dllm serve --model DIR`` and ``python -m dllm.server --model DIR``.
+
+On SIGTERM or SIGINT the server stops accepting connections, lets the requests running finish
+for up to ``--shutdown-timeout`` seconds, then ends the rest with an OpenAI-shaped error (a
+503 body, or an error event and ``[DONE]`` in a stream), and exits 0. A second SIGINT quits
+at once."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
 from dllm.checkpoint import resolve_model_path
 from dllm.cli_args import add_engine_args, engine_config_from_args
-from dllm.server.app import build_app
+from dllm.server.app import ServerState, build_app
 from dllm.server.args import ServerConfig, add_server_args, server_config_from_args
+from dllm.server.connections import RateLimitFilter, protocol_class
+
+logger = logging.getLogger("dllm.server")
+# File descriptors kept free beyond the connection limit (the model, logs, the engine).
+SPARE_FDS = 64
+# uvicorn's own grace comes after ours: by then every request has ended.
+UVICORN_GRACE_S = 10.0
+SWITCH_INTERVAL_S = 0.001
+
+
+class DllmServer(uvicorn.Server):
+    """uvicorn's server, with the shutdown above: its signal handler does not re-raise the
+    signal after a clean shutdown (that made the exit status 143 or 130, with a
+    ``KeyboardInterrupt`` traceback)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.begin_shutdown(self.shutdown_timeout)
+        await super().shutdown(sockets)
+
+
+def _raise_fd_limit(connections: int) -> int:
+    """Raise the soft open-files limit to fit ``connections`` (up to the hard limit), so the
+    server refuses connections itself instead of failing ``accept`` over and over; returns
+    the connection limit that fits."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + SPARE_FDS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        fit = max(1, soft - SPARE_FDS)
+        logger.warning("--limit-concurrency %d lowered to %d: the open-files limit is %d",
+                       connections, fit, soft)
+        return fit
+    return connections
 
 
 def run_server(config: ServerConfig) -> int:
@@ -19,17 +76,31 @@ def run_server(config: ServerConfig) -> int:
     resolve_model_path(config.engine.model)  # a wrong path fails here, before binding a port
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limiter = RateLimitFilter()
+    for name in ("dllm.server", "uvicorn.error", "asyncio"):
+        logging.getLogger(name).addFilter(limiter)
+    connections = _raise_fd_limit(config.limit_concurrency)
+    # The event loop (every connection, /health) waits at most this long for the engine
+    # thread's Python code to hand over the interpreter lock (the default is 5 ms).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(
+    state: ServerState = app.state.dllm
+    server = DllmServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=5, access_log=config.log_level == "debug"))
-    state = app.state.dllm
+        http=protocol_class(connections, config.header_timeout, config.body_timeout),
+        h11_max_incomplete_event_size=config.max_header_bytes,
+        timeout_keep_alive=config.timeout_keep_alive,
+        timeout_graceful_shutdown=config.shutdown_timeout + UVICORN_GRACE_S,
+        access_log=config.log_level == "debug"), state, config.shutdown_timeout)
 
     def stop() -> None:
         server.should_exit = True
 
     state.on_load_error = stop
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C during the shutdown
+        pass
     return 1 if state.load_error is not None else 0
 
 

@@ -1,8 +1,10 @@
 """Prometheus metrics of one server, in its own ``CollectorRegistry`` (never the global one,
 so several servers or tests in one process do not collide).
 
-Request series are recorded as requests finish; the engine gauges (running, waiting, KV use)
-are read under the engine lock when ``/metrics`` is scraped."""
+Request series are recorded as requests finish (a request the client left, before its first
+block too, counts as an abort); the engine gauges (running, waiting, KV use) are the counters
+the engine thread keeps after each step (``AsyncLLM.stats``), read without the engine lock
+when ``/metrics`` is scraped."""
 
 from __future__ import annotations
 
@@ -99,8 +101,3 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-def engine_stats(engine) -> tuple[int, int, int, int]:
-    """Read under the engine lock (``AsyncLLM.call_in_engine``)."""
-    s, kv = engine.scheduler, engine.kv_pool
-    return len(s.running), len(s.waiting), kv.num_used_pages, kv.num_usable_pages

@@ -1,5 +1,5 @@
-"""Plain ASGI middleware: API-key auth and the request body size limit. Both answer before the
-body is parsed, with the OpenAI error shape."""
+"""Plain ASGI middleware: API-key auth, the header and content-type checks, and the request
+body size limit. All answer before the body is parsed, with the OpenAI error shape."""
 
 from __future__ import annotations
 
@@ -21,16 +21,18 @@ async def send_error(send, exc: APIError, headers: list[tuple[bytes, bytes]] = (
 
 class APIKeyMiddleware:
     """``Authorization: Bearer KEY`` on the API routes (``/v1/*``, ``/generate``,
-    ``/abort_request``); ``/health``, ``/metrics`` and the docs stay open."""
+    ``/abort_request``, and ``/metrics`` when ``metrics``); ``/health`` and the docs stay
+    open."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, metrics: bool = False):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.prefixes = PROTECTED_PREFIXES + (("/metrics",) if metrics else ())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not any(
                 scope["path"] == p.rstrip("/") or scope["path"].startswith(p)
-                for p in PROTECTED_PREFIXES):
+                for p in self.prefixes):
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
@@ -40,6 +42,39 @@ class APIKeyMiddleware:
                 "authentication_error", None, "invalid_api_key"),
                 [(b"www-authenticate", b"Bearer")])
             return
+        await self.app(scope, receive, send)
+
+
+class RequestGuardMiddleware:
+    """431 for more than ``max_headers`` headers; 415 for a POST whose ``Content-Type`` is
+    not ``application/json`` (a web page can send a cross-origin form or text/plain POST
+    without asking first; it cannot send JSON that way)."""
+
+    def __init__(self, app, max_headers: int):
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if len(headers) > self.max_headers:
+            await send_error(send, APIError(
+                431, f"the request has {len(headers)} headers; this server takes at most "
+                f"{self.max_headers}", "invalid_request_error", None, "too_many_headers"),
+                [(b"connection", b"close")])
+            return
+        if scope.get("method") == "POST":
+            ctype = dict(headers).get(b"content-type", b"")
+            media = ctype.split(b";", 1)[0].strip().lower()
+            if media != b"application/json":
+                shown = ctype[:100].decode("latin-1") or "none"
+                await send_error(send, APIError(
+                    415, f"the request body must be JSON, sent with 'Content-Type: "
+                    f"application/json' (got {shown!r})", "invalid_request_error", None,
+                    "unsupported_media_type"))
+                return
         await self.app(scope, receive, send)
 
 

@@ -18,8 +18,14 @@ from typing import Any
 from dllm.outputs import RequestOutput, StreamChunk
 from dllm.request import Req
 from dllm.server.openai_api import collect, generation_failed
-from dllm.server.protocol import GenerateRequest, bad_request, reject_unsupported, validate
-from dllm.server.serving import RunningGroup, Serving
+from dllm.server.protocol import (
+    GenerateRequest,
+    bad_request,
+    check_rid,
+    reject_unsupported,
+    validate,
+)
+from dllm.server.serving import RunningGroup, Serving, shutting_down
 
 Obj = dict[str, Any]
 
@@ -28,10 +34,13 @@ class NativeServing:
     def __init__(self, serving: Serving):
         self.serving = serving
 
-    async def generate(self, body: Obj) -> Obj | list[Obj] | AsyncIterator[Obj]:
+    async def generate(self, body: Obj | GenerateRequest
+                       ) -> Obj | list[Obj] | AsyncIterator[Obj]:
         arrival = time.monotonic()
-        req: GenerateRequest = validate(GenerateRequest, body)
+        req = body if isinstance(body, GenerateRequest) else validate(GenerateRequest, body)
         reject_unsupported(req)
+        if req.rid is not None:
+            check_rid(req.rid, "rid", self.serving.limits.max_rid_length)
         prompts, batched = _prompts(req)
         if batched and req.stream:
             raise bad_request("streaming a list of prompts is not supported; send one request "
@@ -60,6 +69,9 @@ class NativeServing:
                 if part.output is not None:
                     if part.output.finish_reason == "error":
                         yield generation_failed(part.output).to_dict()
+                        return
+                    if part.output.finish_reason == "abort" and group.shut_down:
+                        yield shutting_down().to_dict()
                         return
                     yield result(req, part.output, time.monotonic() - arrival)
                     return

@@ -29,7 +29,7 @@ from dllm.server.protocol import (
     reject_unsupported,
     validate,
 )
-from dllm.server.serving import RunningGroup, Serving
+from dllm.server.serving import RunningGroup, Serving, shutting_down
 
 Chunk = dict[str, Any]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -40,10 +40,11 @@ class OpenAIServing:
         self.serving = serving
 
     # ---- /v1/completions -----------------------------------------------------------------
-    async def completions(self, body: dict[str, Any], request_id: str | None = None
+    async def completions(self, body: dict[str, Any] | CompletionRequest,
+                          request_id: str | None = None
                           ) -> Chunk | AsyncIterator[Chunk]:
         arrival = time.monotonic()
-        req: CompletionRequest = validate(CompletionRequest, body)
+        req = body if isinstance(body, CompletionRequest) else validate(CompletionRequest, body)
         prompts = completion_prompts(req.prompt)
         gid = request_id or f"cmpl-{uuid.uuid4().hex}"
         group = await self._start(req, gid, prompts, req.max_tokens, "max_tokens", arrival)
@@ -53,10 +54,11 @@ class OpenAIServing:
         return self._full(await collect(group, len(prompts)), gid, "text_completion")
 
     # ---- /v1/chat/completions ------------------------------------------------------------
-    async def chat(self, body: dict[str, Any], request_id: str | None = None
-                   ) -> Chunk | AsyncIterator[Chunk]:
+    async def chat(self, body: dict[str, Any] | ChatCompletionRequest,
+                   request_id: str | None = None) -> Chunk | AsyncIterator[Chunk]:
         arrival = time.monotonic()
-        req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        req = body if isinstance(body, ChatCompletionRequest) else validate(
+            ChatCompletionRequest, body)
         messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -69,8 +71,8 @@ class OpenAIServing:
         return self._full(await collect(group, 1), gid, "chat.completion")
 
     # ---- /v1/embeddings ------------------------------------------------------------------
-    async def embeddings(self, body: dict[str, Any]) -> Chunk:
-        req: EmbeddingRequest = validate(EmbeddingRequest, body)
+    async def embeddings(self, body: dict[str, Any] | EmbeddingRequest) -> Chunk:
+        req = body if isinstance(body, EmbeddingRequest) else validate(EmbeddingRequest, body)
         self.serving.check_model(req.model)
         if self.serving.task != "embed":
             raise bad_request(f"the model {self.serving.model_name!r} is served for text "
@@ -159,6 +161,9 @@ class OpenAIServing:
                 if out is not None and out.finish_reason == "error":
                     yield generation_failed(out).to_dict()
                     return
+                if out is not None and out.finish_reason == "abort" and group.shut_down:
+                    yield shutting_down().to_dict()
+                    return
                 choice: Chunk = {"index": i}
                 if chat:
                     choice["delta"] = {"content": part.delta_text} if part.delta_text else {}
@@ -191,6 +196,8 @@ async def collect(group: RunningGroup, n: int) -> list[RequestOutput]:
                 outs[i] = part.output
     finally:
         await group.aclose()
+    if group.shut_down and any(o is None or o.finish_reason == "abort" for o in outs):
+        raise shutting_down()
     for out in outs:
         if out is None or out.finish_reason == "error":
             raise generation_failed(out)

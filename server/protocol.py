@@ -8,6 +8,7 @@ are refused with a 400 by ``reject_unsupported``."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,13 +25,15 @@ class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = clip(message, MAX_MESSAGE)
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -47,17 +50,49 @@ def not_ready() -> APIError:
 
 
 # ---- parsing ------------------------------------------------------------------------------
+# A JSON ``\\uD800``-``\\uDFFF`` escape, an escaped backslash (so ``\\\\ud800`` is not taken
+# for one), or a valid surrogate pair.
+_SURROGATES = re.compile(rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                         rb"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_ANY_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _lone_surrogate(raw: bytes) -> bool:
+    """Whether the body escapes half of a UTF-16 surrogate pair (``"\\ud800"``), which
+    decodes to a string no UTF-8 encoder (the tokenizer, the response) can write."""
+    if not _ANY_SURROGATE.search(raw):
+        return False
+    for m in _SURROGATES.finditer(raw):
+        if len(m.group()) == 6:  # not an escaped backslash, not a pair
+            return True
+    return False
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why not. Strict JSON: ``NaN`` and
+    ``Infinity`` are refused, and so is an integer of more than 4,300 digits (Python's limit
+    for converting one) and a lone UTF-16 surrogate."""
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid JSON: it is not UTF-8") from None
+    except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # NaN / Infinity, or an integer too long to convert
+        raise bad_request(f"the request body is not valid JSON: {clip(str(exc))}") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _lone_surrogate(raw):
+        raise bad_request("the request body holds a lone UTF-16 surrogate escape (such as "
+                          "\\ud800): it is not valid Unicode text")
     return body
 
 
@@ -75,17 +110,31 @@ def validation_error(exc: ValidationError) -> APIError:
     message = f"{loc}: {err['msg']}" if loc else err["msg"]
     if err.get("type") != "missing" and "input" in err:
         message += f" (got {clip(_short_repr(err['input']))})"
-    more = len(exc.errors()) - 1
+    more = exc.error_count() - 1
     if more:
         message += f" (and {more} more error{'s' if more > 1 else ''})"
     return bad_request(message, loc.split(".")[0] if loc else None)
 
 
 def _short_repr(value: Any) -> str:
+    if isinstance(value, (list, dict)) and len(value) > MAX_ECHO:
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, str):
+        value = value[: MAX_ECHO + 1]
     try:
         return json.dumps(value, ensure_ascii=False)[: MAX_ECHO + 1]
     except (TypeError, ValueError):
         return repr(value)[: MAX_ECHO + 1]
+
+
+def check_rid(rid: str, name: str, max_length: int) -> str:
+    """A request id as the client gave it: 1 to ``max_length`` printable ASCII characters
+    without spaces (it is echoed in responses and written to logs)."""
+    if not (0 < len(rid) <= max_length and rid.isascii() and rid.isprintable()
+            and " " not in rid):
+        raise bad_request(f"{name} must be 1 to {max_length} printable ASCII characters "
+                          "without spaces", name)
+    return rid
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -154,7 +203,7 @@ class ChatMessage(_Model):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

@@ -1,25 +1,32 @@
 """Running requests on an ``AsyncLLM`` for the HTTP routes and ``dllm generate``: validation
 into engine requests (400s before anything runs), request ids the client can abort by,
-streams of several prompts merged into one, and the per-request metrics.
+streams of several prompts merged into one, the server's queue bound, and the per-request
+metrics.
 
-Tokenizing and validating (``AsyncLLM.make_request`` takes the engine lock, held for a whole
-engine step) run in a worker thread, never on the event loop."""
+Prompts are tokenized once, in a small thread pool of their own (each thread with its own
+copy of the tokenizer), never under the engine lock and never on the event loop; a prompt
+too long for the context is refused from its length before it is tokenized whole."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
-from dllm.async_llm import AsyncLLM
+from dllm.algorithms import get_algorithm
+from dllm.async_llm import AsyncLLM, RequestStream
 from dllm.engine import Prompt
 from dllm.outputs import StreamChunk
 from dllm.request import Req
 from dllm.sampling_params import DLLM_KEYS, SamplingParams
+from dllm.server.args import Limits
 from dllm.server.metrics import ServerMetrics
 from dllm.server.protocol import APIError, bad_request, clip
 
@@ -27,22 +34,72 @@ DEFAULT_MAX_TOKENS = SamplingParams().max_new_tokens  # when the request gives n
 _FIELDS = {"temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "seed",
            "prompt"}
 _DONE = object()
+# The dllm keys the engine reads itself (the algorithm reads the rest).
+_ENGINE_KEYS = {"algorithm", "block_size", "cache_mode", "cfg_scale"}
+# A prompt text over this many characters is counted in pieces of this size first, and
+# refused as soon as the count passes the context (a cut can change the count of the
+# tokens beside it: each piece is allowed that many tokens more).
+COUNT_PIECE_CHARS = 16384
+COUNT_PIECE_SLACK = 16
+# A token covers at most ``max_token_chars`` characters of the normalized text; a
+# normalizer may compose characters (NFC: up to about 4 into 1), hence the factor.
+NORMALIZE_FACTOR = 4
+RETRY_AFTER_S = 1
+
+
+def queue_full(queued: int, limit: int) -> APIError:
+    return APIError(429, f"the server's queue is full ({queued} of {limit} tokens held by "
+                    "requests running or waiting); retry later", "rate_limit_error", None,
+                    "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", "service_unavailable_error", None,
+                    "server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@dataclasses.dataclass
+class _Group:
+    """One API request's engine requests, from validation to its end."""
+
+    rids: list[str]
+    tokens: int = 0  # prompt + max_new_tokens of its requests (the queue bound)
+    streams: list[RequestStream] | None = None  # set when handed to the engine
+    abort_rids: set[str] = dataclasses.field(default_factory=set)  # asked while building
+    aborted: asyncio.Future | None = None  # the engine's answer to those aborts
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    shut_down: bool = False  # ended by the server's shutdown, not by the client
 
 
 class Serving:
     """One served model: the engine handle, its public name, and the requests in flight."""
 
     def __init__(self, llm: AsyncLLM, model_name: str | None = None,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, limits: Limits | None = None):
         engine = llm.engine
         self.llm = llm
         self.model_path: str = engine.info.path
         self.model_name = model_name or default_model_name(self.model_path)
         self.task: str = engine.task  # "generate" or "embed"
         self.context_length: int = engine.context_length
+        self.vocab_size: int = engine.info.vocab_size
         self.metrics = metrics
+        self.limits = limits or Limits()
         self.created = int(time.time())
-        self._groups: dict[str, list[str]] = {}  # client-visible id -> engine rids
+        kv_tokens = engine.kv_pool.num_usable_pages * engine.kv_pool.page_size
+        self.max_queued_tokens = self.limits.max_queued_tokens or 4 * kv_tokens
+        self.queued_tokens = 0
+        self.closing = False  # shutting down: no new requests
+        self.ending = False  # the shutdown's grace is over: everything ends now
+        self._groups: dict[str, _Group] = {}  # client-visible id -> its requests
+        self._pool = ThreadPoolExecutor(self.limits.tokenizer_workers,
+                                        thread_name_prefix="dllm-tokenize")
+        self._local = threading.local()
+        self.max_token_chars = max([len(t) for t in engine.tokenizer.get_vocab()] or [1])
+        self.max_prompt_chars = NORMALIZE_FACTOR * self.context_length * self.max_token_chars
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- model names ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -65,41 +122,127 @@ class Serving:
         kwargs = {k: v for k, v in fields.items() if v is not None}
         kwargs.setdefault("max_new_tokens", 1)
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
             raise self._invalid(exc, max_name) from None
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"stop_token_ids: token id {bad} is outside the vocabulary of "
+                              f"{self.vocab_size} tokens", "stop_token_ids")
+        self._check_dllm_keys(params.dllm)
+        return params
+
+    def _check_dllm_keys(self, dllm: dict[str, Any]) -> None:
+        """400 naming the ``dllm`` keys that the request's algorithm would ignore."""
+        engine = self.llm.engine
+        if not dllm or engine.mask_token_id is None:  # autoregressive: the factory refuses
+            return
+        name = dllm.get("algorithm") or engine.algorithm_name
+        try:
+            algorithm = get_algorithm(name)
+        except ValueError as exc:
+            raise bad_request(f"dllm.algorithm: {exc}", "dllm") from None
+        used = set(algorithm.defaults) | _ENGINE_KEYS
+        if engine.full_attention and used & {"steps", "steps_per_block"}:
+            used.add("steps")  # the total over the canvas (dllm.full_diffusion)
+        ignored = sorted(set(dllm) - used)
+        if ignored:
+            raise bad_request(
+                f"dllm: the algorithm {name!r} does not use {', '.join(ignored)}; it reads "
+                f"{', '.join(sorted(algorithm.defaults)) or 'no keys'}", "dllm")
 
     async def make(self, gid: str, prompts: Sequence[Prompt], params: SamplingParams,
                    explicit_max: bool, max_name: str = "max_tokens") -> list[Req]:
         """Validate every prompt into an engine request (rid ``gid``, or ``gid-i`` for a list
-        of prompts) and reserve ``gid`` for ``abort``. Raises ``APIError`` (400)."""
+        of prompts) and reserve ``gid`` for ``abort``. Raises ``APIError`` (400, 429, 503)."""
         if self.task != "generate":
             raise bad_request(f"the model {self.model_name!r} is served for embeddings "
                               "(task 'embed'); use /v1/embeddings")
         if not prompts:
             raise bad_request("prompt must not be empty", "prompt")
+        if len(prompts) > self.limits.max_prompts_per_request:
+            raise bad_request(f"prompt: {len(prompts)} prompts in one request; this server "
+                              f"takes at most {self.limits.max_prompts_per_request}", "prompt")
+        if self.closing:
+            raise shutting_down()
+        if self.queued_tokens >= self.max_queued_tokens:
+            raise queue_full(self.queued_tokens, self.max_queued_tokens)
         rids = [gid] if len(prompts) == 1 else [f"{gid}-{i}" for i in range(len(prompts))]
-        in_flight = {rid for group in self._groups.values() for rid in group}
+        in_flight = {rid for group in self._groups.values() for rid in group.rids}
         if gid in self._groups or in_flight.intersection(rids):
             raise bad_request(f"request id {clip(gid)!r} is already in use")
-        self._groups[gid] = rids
+        group = self._groups[gid] = _Group(rids)
         try:
-            return [await asyncio.to_thread(self._make_one, p, params, rid, explicit_max,
-                                            max_name)
-                    for p, rid in zip(prompts, rids, strict=True)]
+            loop = asyncio.get_running_loop()
+            reqs = list(await asyncio.gather(*(
+                loop.run_in_executor(self._pool, self._make_one, p, params, rid, explicit_max,
+                                     max_name) for p, rid in zip(prompts, rids, strict=True))))
+            tokens = sum(r.prompt_len + r.params.max_new_tokens for r in reqs)
+            if self.queued_tokens + tokens > self.max_queued_tokens:
+                raise queue_full(self.queued_tokens, self.max_queued_tokens)
+            group.tokens = tokens
+            self.queued_tokens += tokens
+            return reqs
         except BaseException:
-            self._groups.pop(gid, None)
+            self._release(gid)
             raise
+
+    def _tokenizer(self) -> Any:
+        """This pool thread's own tokenizer (a fast tokenizer is not meant to be shared
+        between threads while the engine thread decodes with it)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self.llm.engine.tokenizer)
+        return tok
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, as the engine's request factory would make them (a pool
+        thread: this is the one tokenization of the request)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError("each chat message needs a string 'role' and 'content'")
+            self._check_chars(sum(len(m["content"]) for m in prompt))
+            text = self._tokenizer().apply_chat_template(prompt, tokenize=False,
+                                                          add_generation_prompt=True)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text = prompt
+        else:
+            return prompt  # token ids: the factory checks them
+        self._check_chars(len(text))
+        tok = self._tokenizer()
+        if len(text) > COUNT_PIECE_CHARS:
+            self._count_pieces(text, tok)
+        return tok.encode(text, add_special_tokens=False)
+
+    def _check_chars(self, n: int) -> None:
+        if n > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt ({n} characters) exceeds the context length of {self.context_length} "
+                f"tokens (a token of this tokenizer covers at most {self.max_token_chars} "
+                "characters)")
+
+    def _count_pieces(self, text: str, tok: Any) -> None:
+        n = 0
+        for start in range(0, len(text), COUNT_PIECE_CHARS):
+            piece = text[start:start + COUNT_PIECE_CHARS]
+            n += max(0, len(tok.encode(piece, add_special_tokens=False)) - COUNT_PIECE_SLACK)
+            if n > self.context_length:
+                raise ValueError(f"prompt (more than {n} tokens) exceeds the context length "
+                                 f"of {self.context_length}")
 
     def _make_one(self, prompt: Prompt, params: SamplingParams, rid: str, explicit_max: bool,
                   max_name: str) -> Req:
         try:
+            ids = self.prompt_ids(prompt)
             if not explicit_max:  # the default, fitted to this prompt before the request is
                 # laid out (full-attention block sizes and steps depend on max_new_tokens)
-                room = self.llm.call_in_engine(lambda e: e.max_new_tokens_room(prompt))
+                room = self.llm.engine.max_new_tokens_room(ids)
                 params = dataclasses.replace(params, max_new_tokens=max(1, min(
                     DEFAULT_MAX_TOKENS, room)))
-            return self.llm.make_request(prompt, params, rid)
+            return self.llm.make_request_from_ids(ids, params, rid)
         except (ValueError, TypeError) as exc:
             raise self._invalid(exc, max_name) from None
 
@@ -127,27 +270,38 @@ class Serving:
                     max_name: str = "max_tokens") -> RunningGroup:
         """Hand the requests to the engine and wait for the first chunk, so that a request
         the scheduler refuses (more KV than the pool holds) is still a 400."""
-        group = RunningGroup(self, gid, _merge([self._stream_one(r, arrival) for r in reqs]))
+        group = self._groups[gid]
+        if self.ending:
+            self._release(gid)
+            raise shutting_down()
+        # Handed over synchronously: an abort from now on finds them in the engine.
+        group.streams = [self.llm.open_stream(r) for r in reqs]
+        if group.abort_rids:
+            group.aborted = self.llm.abort_and_confirm(sorted(group.abort_rids))
+        group.ready.set()
+        running = RunningGroup(self, gid, group, _merge(
+            [self._stream_one(s, r, arrival) for s, r in zip(group.streams, reqs, strict=True)]))
         try:
-            group.first = await anext(group.it)
+            running.first = await anext(running.it)
         except ValueError as exc:
-            await group.aclose()
+            await running.aclose()
             raise self._invalid(exc, max_name) from None
         except RuntimeError as exc:  # the engine shut down
-            await group.aclose()
+            await running.aclose()
             raise APIError(503, str(exc), "service_unavailable_error", None,
                            "engine_unavailable") from None
         except BaseException:
-            await group.aclose()
+            await running.aclose()
             raise
-        return group
+        return running
 
-    async def _stream_one(self, req: Req, arrival: float) -> AsyncIterator[StreamChunk]:
+    async def _stream_one(self, stream: RequestStream, req: Req, arrival: float
+                          ) -> AsyncIterator[StreamChunk]:
         m = self.metrics
         seen: StreamChunk | None = None
         try:
-            async with aclosing(self.llm.generate_stream(req)) as chunks:
-                async for chunk in chunks:
+            async with aclosing(stream):
+                async for chunk in stream:
                     if m is not None and seen is None:
                         m.on_first_chunk(time.monotonic() - arrival)
                     seen = chunk
@@ -155,31 +309,66 @@ class Serving:
                         m.on_finish(chunk.output, time.monotonic() - arrival)
                     yield chunk
         finally:
-            if m is not None and seen is not None and not seen.finished:
-                m.on_abandoned(req.prompt_len, seen.completion_tokens,
+            if m is not None and not stream.rejected and not (seen and seen.finished):
+                m.on_abandoned(req.prompt_len, seen.completion_tokens if seen else 0,
                                time.monotonic() - arrival)
 
-    def abort(self, rid: str) -> bool:
-        """Abort a request by its client-visible id (or one engine rid of a batch)."""
-        rids = self._groups.get(rid)
-        for r in rids or [rid]:
-            self.llm.abort(r)
-        return rids is not None or any(rid in g for g in self._groups.values())
+    async def abort(self, rid: str) -> bool:
+        """Abort a request by its client-visible id (or one engine rid of a batch): True if
+        the engine ended something because of it. A request still being tokenized is
+        aborted as it reaches the engine, before it runs a step."""
+        group = self._groups.get(rid)
+        rids = None if group is None else group.rids
+        if group is None:
+            group = next((g for g in self._groups.values() if rid in g.rids), None)
+            if group is None:
+                return False
+            rids = [rid]
+        if group.streams is None:  # still being built
+            group.abort_rids.update(rids)
+            await group.ready.wait()
+            return bool(group.aborted is not None and await group.aborted)
+        return await self.llm.abort_and_confirm(rids)
+
+    def end_all(self) -> None:
+        """The shutdown's grace is over: abort everything still running (each route then
+        answers with a 503 error, or an error event in a stream) and refuse what is still
+        being built."""
+        self.closing = self.ending = True
+        for group in self._groups.values():
+            if group.streams is not None:
+                group.shut_down = True
+                for rid in group.rids:
+                    self.llm.abort(rid)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._groups)
 
     def _release(self, gid: str) -> None:
-        self._groups.pop(gid, None)
+        group = self._groups.pop(gid, None)
+        if group is not None:
+            self.queued_tokens -= group.tokens
+            group.tokens = 0
+            group.ready.set()
 
 
 class RunningGroup:
     """The merged chunks ``(prompt index, StreamChunk)`` of one API request. Closing it early
     aborts whatever is still running (and frees its memory)."""
 
-    def __init__(self, serving: Serving, gid: str,
+    def __init__(self, serving: Serving, gid: str, group: _Group,
                  it: AsyncIterator[tuple[int, StreamChunk]]):
         self._serving = serving
+        self._group = group
         self.gid = gid
         self.it = it
         self.first: tuple[int, StreamChunk] | None = None
+
+    @property
+    def shut_down(self) -> bool:
+        """Ended by the server's shutdown (its abort is the server's, not the client's)."""
+        return self._group.shut_down
 
     def __aiter__(self) -> RunningGroup:
         return self
@@ -194,7 +383,11 @@ class RunningGroup:
         """Always call this when done (``finally``): it releases the id and aborts any
         request of the group that has not finished."""
         self._serving._release(self.gid)
-        await self.it.aclose()
+        try:
+            await self.it.aclose()
+        finally:
+            for stream in self._group.streams or []:
+                await stream.aclose()  # one a merge task never started
 
 
 async def _merge(streams: list[AsyncIterator[StreamChunk]]

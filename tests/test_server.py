@@ -275,6 +275,14 @@ def test_chat_stream_equals_non_stream(client, model_name):
     assert chunks[-1].usage is None
 
 
+def test_ignored_dllm_key_is_named(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "dllm": {
+        "algorithm": "threshold", "steps_per_block": 4, "eb_gamma": 0.1}})
+    err = assert_error(r, 400, "dllm")
+    assert err["message"] == ("dllm: the algorithm 'threshold' does not use eb_gamma, "
+                              "steps_per_block; it reads threshold")
+
+
 def test_dllm_settings_per_request(client, model_name):
     kw = dict(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0)
     out = client.completions.create(**kw, extra_body={"dllm": {
@@ -364,6 +372,26 @@ ERRORS = [
     ("/generate", {"text": ["a", "b"], "stream": True}, 400, "stream"),
     ("/generate", {"input_ids": [True, 2]}, 400, "input_ids"),
     ("/abort_request", {}, 400, "rid"),
+    # Real ranges (int64 buffers, finite floats, the vocabulary), and the limits.
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, 400, "top_k"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": 1e400}', 400, "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": Infinity}', 400, None),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", 400, None),
+    ("/v1/completions", '{"prompt": "\\ud800"}', 400, None),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 33}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a" * 257]}, 400, "stop"),
+    ("/v1/completions", {"prompt": ["hi"] * 65}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1] * (CONTEXT + 1)}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "dllm": {"steps_per_block": -1}}, 400, "dllm"),
+    ("/v1/completions", {"prompt": "hi", "dllm": {"steps_per_block": "4"}}, 400, "dllm"),
+    ("/v1/completions", {"prompt": "hi", "dllm": {"factor": 1.0}}, 400, "dllm"),
+    ("/v1/completions", {"prompt": "hi", "dllm": {"algorithm": "joint_threshold",
+                                                  "max_post_edit_steps": 10**9}}, 400, "dllm"),
+    ("/generate", {"text": "hi", "rid": "a\nb"}, 400, "rid"),
+    ("/generate", {"text": "hi", "rid": "x" * 300}, 400, "rid"),
+    ("/abort_request", {"rid": "a b"}, 400, "rid"),
 ]
 
 
@@ -376,6 +404,7 @@ def test_error_shapes(http, route, body, status, param):
         r = http.post(route, content=body, headers={"content-type": "application/json"})
     err = assert_error(r, status, param)
     assert len(err["message"]) < 600  # echoed input is clipped
+    assert r.content.isascii()  # what is echoed is escaped
 
 
 def test_error_echo_is_truncated(http):
@@ -393,8 +422,10 @@ def test_unknown_route_and_method(http):
 
 
 def test_server_survives_bad_input(http, client, model_name):
+    json_type = {"content-type": "application/json"}
     for raw in [b"\x00" * 100, b"[" * 1000, b'{"prompt": {"a": 1}}', b"null", b"1e999"]:
-        assert http.post("/v1/completions", content=raw).status_code == 400
+        assert http.post("/v1/completions", content=raw, headers=json_type).status_code == 400
+        assert_error(http.post("/v1/completions", content=raw), 415)  # no JSON content type
     assert client.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
 
 
@@ -406,7 +437,8 @@ def test_body_too_large(http):
         for _ in range(MAX_REQUEST_BYTES // 1000 + 10):
             yield b" " * 1000
 
-    assert_error(http.post("/v1/completions", content=chunks()), 413)
+    assert_error(http.post("/v1/completions", content=chunks(),
+                           headers={"content-type": "application/json"}), 413)
     assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
@@ -538,6 +570,26 @@ def test_100_concurrent_streams(server, http):
     assert len(results) == 100
     assert all(reason in ("stop", "length") for _, reason in results)
     assert wait_idle(http)["dllm:kv_cache_used_pages"] == 0
+
+
+def test_api_key_covers_metrics_with_its_flag(long_sdar_dir):
+    from dllm.config import EngineConfig
+    from dllm.server.app import build_app
+    from dllm.server.args import ServerConfig
+
+    engine = EngineConfig(model=long_sdar_dir)
+    covered = build_app(ServerConfig(engine=engine, api_key=API_KEY, api_key_metrics=True))
+    open_ = build_app(ServerConfig(engine=engine, api_key=API_KEY))
+
+    async def get(app, **headers):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as c:
+            return await c.get("/metrics", headers=headers)
+
+    assert_error(asyncio.run(get(covered)), 401)
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    assert asyncio.run(get(covered, **key)).status_code == 200
+    assert asyncio.run(get(open_)).status_code == 200
 
 
 def test_not_ready_is_503(long_sdar_dir):

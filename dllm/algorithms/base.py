@@ -124,7 +124,10 @@ class KeySpec:
             if not isinstance(value, int):
                 raise ValueError(f"{key!r} must be an integer, got {value!r}")
         else:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # an integer beyond the float range
+                value = math.inf
             if not math.isfinite(value):
                 raise ValueError(f"{key!r} must be finite, got {value!r}")
         if self.zero_means_block and value == 0:

@@ -1,0 +1,151 @@
+"""Connections: uvicorn's h11 protocol (pinned: with ``httptools`` installed uvicorn would
+prefer it, and it enforces no header limits), with a cap on open connections and deadlines for
+reading a request.
+
+- At most ``limit_concurrency`` connections are open at once; one more gets a 503 (the OpenAI
+  error shape) and is closed at once, before anything of it is read.
+- A connection must send a request's line and headers within ``header_timeout`` seconds of
+  opening (or of its last response's end), and the body within ``body_timeout`` seconds of the
+  headers; else it gets a 408 (when it sent part of a request) and is closed. An idle
+  keep-alive connection is closed after ``timeout_keep_alive`` (uvicorn's own timer).
+- The line and headers together are at most ``max_header_bytes`` (h11's limit; over it:
+  400 and close); the number of headers is ``RequestGuardMiddleware``'s check.
+
+The warnings these print go through ``RateLimitFilter``: a flood of bad connections cannot
+grow the log by more than one line per kind of event every few seconds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dllm.server.protocol import APIError
+
+logger = logging.getLogger("dllm.server")
+LOG_EVERY_S = 10.0
+
+
+def _error_bytes(exc: APIError) -> bytes:
+    body = json.dumps(exc.to_dict()).encode()
+    reason = {400: b"Bad Request", 408: b"Request Timeout", 503: b"Service Unavailable"}
+    head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (exc.status, reason.get(exc.status, b"Error"),
+                                             len(body)))
+    return head + body
+
+
+OVER_LIMIT = _error_bytes(APIError(503, "the server has too many open connections; retry "
+                                   "later", "service_unavailable_error", None,
+                                   "too_many_connections"))
+TIMED_OUT = _error_bytes(APIError(408, "the request was not sent in time",
+                                  "invalid_request_error", None, "request_timeout"))
+INVALID = _error_bytes(APIError(400, "invalid HTTP request (malformed, or its line and "
+                                "headers are too large)", "invalid_request_error", None,
+                                "invalid_http_request"))
+
+
+class RateLimitFilter(logging.Filter):
+    """Passes a message (by its format string) at most once every ``every`` seconds, then
+    says how many were dropped in between."""
+
+    def __init__(self, every: float = LOG_EVERY_S):
+        super().__init__()
+        self.every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = str(record.msg)
+        now = time.monotonic()
+        last, dropped = self._last.get(key, (-float("inf"), 0))
+        if now - last < self.every:
+            self._last[key] = (last, dropped + 1)
+            return False
+        self._last[key] = (now, 0)
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} more like it in the last {self.every:.0f} s)"
+        return True
+
+
+def protocol_class(limit_concurrency: int, header_timeout: float, body_timeout: float
+                   ) -> type[H11Protocol]:
+    """The h11 protocol class of one server (uvicorn's ``Config(http=...)``)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            self._deadline: Any = None
+            if len(self.server_state.connections) >= limit_concurrency:
+                self.transport = transport
+                transport.write(OVER_LIMIT)
+                transport.close()
+                logger.warning("refused a connection: %d connections are open "
+                               "(--limit-concurrency)", limit_concurrency)
+                return
+            super().connection_made(transport)
+            self._arm(header_timeout)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.flow is None:  # refused in connection_made
+                return
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self.flow is None:
+                return
+            super().data_received(data)
+            self._track()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            self._track()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(header_timeout)  # the next request's headers
+                self._track()
+
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(INVALID)
+            self.transport.close()
+
+        # ---- deadlines -------------------------------------------------------------------
+        def _track(self) -> None:
+            """Move the deadline along with what the client has sent of this request."""
+            state = self.conn.their_state
+            if state is h11.SEND_BODY and self._phase == "headers":
+                self._arm(body_timeout, "body")
+            elif state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+                self._disarm()
+
+        def _arm(self, seconds: float, phase: str = "headers") -> None:
+            self._disarm()
+            self._phase = phase
+            self._deadline = self.loop.call_later(seconds, self._timed_out)
+
+        def _disarm(self) -> None:
+            if getattr(self, "_deadline", None) is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            self._phase = None
+
+        def _timed_out(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            responding = self.cycle is not None and self.cycle.response_started
+            sent_part = self._phase == "body" or bool(self.conn.trailing_data[0])
+            if sent_part and not responding:  # a silent or idle socket is just closed
+                self.transport.write(TIMED_OUT)
+            logger.warning("closed a connection that did not send its request in time "
+                           "(--header-timeout / --body-timeout)")
+            self.transport.close()
+
+    return GuardedH11Protocol
