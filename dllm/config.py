@@ -98,6 +98,14 @@ class EngineConfig:
         "aliases": ("--tp", "--tp-size"),
         "help": "ranks that split every layer (one process each; CPU ranks talk over Gloo, "
                 "GPU ranks over NCCL, one GPU each)"})
+    nnodes: int = field(default=1, metadata={
+        "help": "hosts the tensor-parallel ranks span (each starts `dllm serve` with the same "
+                "flags and its own --node-rank; --tp ranks are split evenly)"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this host's index among --nnodes (0 serves; the others host their ranks)"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "HOST:PORT of node 0 where the ranks meet (needed with --nnodes > 1; "
+                "default: a free local port)"})
     overlap_schedule: bool | None = field(default=None, metadata={
         "flag": "--disable-overlap-schedule", "const": False,
         "help": "read each step's result before queueing the next (default on CUDA: the host "
@@ -105,7 +113,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "nnodes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -122,6 +130,13 @@ class EngineConfig:
                 raise ValueError("cuda_graph_batch_sizes must be positive integers, got "
                                  f"{self.cuda_graph_batch_sizes!r}")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split "
+                             f"evenly over nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (node 0's HOST:PORT) is needed with nnodes > 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -45,11 +45,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_group(rank: int, world: int, port: int, device: torch.device) -> Any:
-    """Join the default group (NCCL for CUDA ranks, else Gloo) and return a Gloo group for
-    the control messages."""
+def _init_group(rank: int, world: int, addr: str, device: torch.device) -> Any:
+    """Join the default group (NCCL for CUDA ranks, else Gloo) at ``addr`` (HOST:PORT) and
+    return a Gloo group for the control messages."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{addr}", rank=rank,
                             world_size=world, timeout=TIMEOUT)
     return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend != "gloo" else None
 
@@ -117,33 +117,59 @@ class RankGroup:
 
 
 def launch(config: Any, device: torch.device) -> RankGroup:
-    """Rank 0: start the worker processes of ``config.tensor_parallel_size`` ranks and join
-    the group with them."""
+    """This process's place among the ranks of ``config``, starting the worker processes it
+    hosts. Three ways in: one host (``tensor_parallel_size`` ranks, this process rank 0);
+    several hosts (``nnodes``: each starts the ranks of its share; node 0's process is rank 0,
+    another node's process hosts its ranks until they end and then exits); torchrun (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` in the environment: every
+    process is one rank; rank 0 returns, the others run as workers and exit)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _launch_torchrun(config, device)
     world = config.tensor_parallel_size
     if world == 1:
         return RankGroup(0, 1)
-    if device.type == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; "
-                         f"{torch.cuda.device_count()} visible")
     if dist.is_initialized():
         raise ValueError("one tensor-parallel engine per process: shut the other down first "
                          "(Engine.shutdown)")
-    port = _free_port()
-    workers = []
-    for rank in range(1, world):
-        # A fresh interpreter (``python -m dllm.distributed``), not multiprocessing: the
-        # caller's script is not imported again, so it needs no ``__main__`` guard.
-        proc = subprocess.Popen([sys.executable, "-m", "dllm.distributed"],
-                                stdin=subprocess.PIPE)
-        pickle.dump((config, rank, world, port, os.getpid()), proc.stdin)
-        proc.stdin.close()
-        workers.append(proc)
-    control = _init_group(0, world, port, device)
+    per_node = world // config.nnodes
+    if device.type == "cuda" and torch.cuda.device_count() < per_node:
+        raise ValueError(f"{per_node} ranks on this host need {per_node} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    addr = config.dist_init_addr or f"127.0.0.1:{_free_port()}"
+    first = config.node_rank * per_node
+    workers = [_start_worker(config, rank, world, addr, per_node)
+               for rank in range(max(first, 1), first + per_node)]
+    if config.node_rank > 0:  # this host serves nothing itself: it hosts its ranks
+        codes = [proc.wait() for proc in workers]
+        sys.exit(max((abs(c) for c in codes), default=0))
+    control = _init_group(0, world, addr, device)
     group = RankGroup(0, world, control, workers)
     atexit.register(group.shutdown)
     threading.Thread(target=_watch_workers, args=(group,), daemon=True,
                      name="dllm-tp-watch").start()
     return group
+
+
+def _start_worker(config: Any, rank: int, world: int, addr: str,
+                  per_node: int) -> subprocess.Popen:
+    # A fresh interpreter (``python -m dllm.distributed``), not multiprocessing: the caller's
+    # script is not imported again, so it needs no ``__main__`` guard.
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.distributed"], stdin=subprocess.PIPE)
+    pickle.dump((config, rank, world, addr, rank % per_node, os.getpid()), proc.stdin)
+    proc.stdin.close()
+    return proc
+
+
+def _launch_torchrun(config: Any, device: torch.device) -> RankGroup:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if config.tensor_parallel_size not in (1, world):
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} but torchrun "
+                         f"started {world} processes")
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if rank > 0:
+        worker_main(config, rank, world, addr, int(os.environ.get("LOCAL_RANK", rank)), None)
+        sys.exit(0)
+    return RankGroup(0, world, _init_group(0, world, addr, device))
 
 
 def _watch_workers(group: RankGroup) -> None:
@@ -159,18 +185,21 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def worker_main(config: Any, rank: int, world: int, port: int, parent: int) -> None:
-    """A worker rank: join the group, build the engine replica, run the calls rank 0 sends."""
+def worker_main(config: Any, rank: int, world: int, addr: str, local_rank: int,
+                parent: int | None) -> None:
+    """A worker rank: join the group, build the engine replica, run the calls rank 0 sends.
+    ``parent``: the process whose end ends this one (None under torchrun)."""
     from dllm.engine import Engine
 
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if parent is not None:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     logging.basicConfig(level=logging.WARNING)
     device = config.resolve_device()
     if device.type == "cuda":  # one GPU per rank
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, device=str(device))
-    control = _init_group(rank, world, port, device)
+    control = _init_group(rank, world, addr, device)
     engine = Engine(config, ranks=RankGroup(rank, world, control))
     ranks = engine.ranks
     while (msg := ranks.receive()) is not None:

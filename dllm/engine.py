@@ -22,7 +22,7 @@ from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.pipeline import Isolation, OverlapPipeline
 from dllm.request import Req
-from dllm.requests import Prompt, RequestFactory, generation_layout
+from dllm.requests import Prompt, RequestFactory, generation_layout, resolve_task
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch, StepKind
 from dllm.runner.model_runner import ModelRunner, RunnerConfig
 from dllm.scheduler import Scheduler, SchedulerConfig
@@ -55,7 +55,7 @@ class Engine:
         self.tokenizer = load_tokenizer(cfg.tokenizer or path)
         self.info: ModelInfo = load_model_info(dataclasses.replace(cfg, model=path),
                                                self.tokenizer)
-        self.task = self._resolve_task(path)
+        self.task = resolve_task(self.config.task, self.info, path)
         layout = generation_layout(self.info, self.task, cfg.algorithm, cfg.algorithm_config)
         self.block_size, self.mask_token_id = layout.block_size, layout.mask_token_id
         self.full_attention, self.canvas_block_size = layout.full_attention, layout.canvas_block_size
@@ -82,17 +82,6 @@ class Engine:
                                         else self.device.type == "cuda")
 
     # ---- setup -------------------------------------------------------------------------
-    def _resolve_task(self, path: str) -> str:
-        task = self.config.task
-        if task == "auto":
-            task = "embed" if PoolingConfig.is_sentence_transformers(path) else "generate"
-        if task == "embed" and self.info.spec.kind != "causal_lm":
-            raise ValueError(f"{self.info.architecture} cannot serve embeddings")
-        if task == "embed" and self.info.spec.recurrent_state:
-            raise NotImplementedError(f"{self.info.architecture}: embeddings of hybrid models "
-                                      "are not served yet")
-        return task
-
     def _runner_config(self, path: str) -> RunnerConfig:
         cfg, kind = self.config, self.info.spec.kind
         graph_kind = ({"block_diffusion": StepKind.DENOISE, "causal_lm": StepKind.SAMPLE}

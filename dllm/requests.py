@@ -14,6 +14,7 @@ from typing import Any
 from dllm.algorithms import get_algorithm
 from dllm.checkpoint import ModelInfo
 from dllm.full_diffusion import resolve_request
+from dllm.models.pooling import PoolingConfig
 from dllm.request import (
     AutoregressiveState,
     DenoiseState,
@@ -27,6 +28,19 @@ from dllm.sampling_params import SamplingParams, check_engine_keys
 Prompt = str | list[int] | list[dict[str, Any]]
 # The decoder of a diffusion family that names none (and of the non-diffusion ones, unused).
 DEFAULT_ALGORITHM = "low_confidence_dynamic"
+
+
+def resolve_task(task: str, info: ModelInfo, path: str) -> str:
+    """``generate`` or ``embed`` for a model: ``auto`` is ``embed`` for a
+    sentence-transformers layout; embeddings come from causal attention models only."""
+    if task == "auto":
+        task = "embed" if PoolingConfig.is_sentence_transformers(path) else "generate"
+    if task == "embed" and info.spec.kind != "causal_lm":
+        raise ValueError(f"{info.architecture} cannot serve embeddings")
+    if task == "embed" and info.spec.recurrent_state:
+        raise NotImplementedError(f"{info.architecture}: embeddings of hybrid models are not "
+                                  "served yet")
+    return task
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,9 @@ class CudaGraphRunner(Runner):
         self.page_size = page_size
         self.post_for = post_for
         self.modes = modes
-        self.layer: AttentionLayer = next(
-            m.spec for m in owner.model.modules() if isinstance(m, Attention))
+        # The attention plan's head counts (None: no attention layer, e.g. pure Mamba2).
+        self.layer: AttentionLayer | None = next(
+            (m.spec for m in owner.model.modules() if isinstance(m, Attention)), None)
         self.dtype = next(owner.model.parameters()).dtype
         tokens_per_row = block_size if ForwardMode.DLLM_EXTEND in modes else 1
         self.registry = InputRegistry(self.sizes[-1], self.sizes[-1] * tokens_per_row,
@@ -113,7 +114,8 @@ class CudaGraphRunner(Runner):
         fb = self.registry.load(padded, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, self.backends[bs]
         fb.state_pool = self.owner.state_pool
-        self.backends[bs].plan(fb, self.layer, self.dtype)
+        if self.layer is not None:
+            self.backends[bs].plan(fb, self.layer, self.dtype)
         return fb
 
     def execute(self, forward_batch: ForwardBatch, post: PostStep | None) -> Any:
@@ -172,7 +174,8 @@ class CudaGraphRunner(Runner):
         fb = self.registry.load(dummy, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, backend
         fb.state_pool = self.owner.state_pool
-        backend.plan(fb, self.layer, self.dtype)
+        if self.layer is not None:
+            backend.plan(fb, self.layer, self.dtype)
         post = self.post_for(mode, bs, group, flags)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -72,15 +72,22 @@ class TokenToKVPool:
         self.device = torch.device(device)
         num_slots = num_pages * page_size
         v_dim = v_head_dim or head_dim
-        self.k_buffers = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(num_slots, num_kv_heads, v_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
+        self.k_buffers = [self._buffer(num_slots, num_kv_heads, head_dim)
+                          for _ in range(num_layers)]
+        self.v_buffers = [self._buffer(num_slots, num_kv_heads, v_dim)
+                          for _ in range(num_layers)]
         self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+
+    def _buffer(self, *shape: int) -> torch.Tensor:
+        """One layer's K or V. Only the padding page must hold zeros (padded rows read it):
+        every other slot is written before it is read. On the CPU the rest stays unwritten,
+        so the operating system maps its memory only when a request first uses it (a
+        2 GiB default pool costs what is in use, not 2 GiB up front)."""
+        if self.device.type != "cpu":
+            return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+        buf = torch.empty(*shape, dtype=self.dtype)
+        buf[: self.page_size].zero_()
+        return buf
 
     @property
     def num_usable_pages(self) -> int:

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -32,3 +35,20 @@ def _refvector_checkpoints(tmp_path_factory) -> None:
     from tests.refvector_replay import set_checkpoint_root
 
     set_checkpoint_root(tmp_path_factory.mktemp("refvector-checkpoints"))
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+COLLECT_ABOVE_BYTES = 2 * 2**30
+
+
+@pytest.fixture(autouse=True)
+def _free_dead_engines():
+    """An engine lives in reference cycles (its scheduler's callbacks hold it), so one a test
+    dropped is freed only by the cyclic collector, which counts Python objects, not the
+    gigabytes of KV cache they hold: collect after a test once the process is large, so the
+    suite's memory stays that of the engines still in use."""
+    yield
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * _PAGE
+    if rss > COLLECT_ABOVE_BYTES:
+        gc.collect()

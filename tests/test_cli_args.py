@@ -39,7 +39,13 @@ ENGINE_FLAGS = {
     "--cuda-graph-max-bs": ("cuda_graph_max_bs", None, "int", None, None, None),
     "--cuda-graph-bs": ("cuda_graph_batch_sizes", None, "int", None, "+", None),
     "--disable-overlap-schedule": ("overlap_schedule", None, None, None, 0, False),
+    "--tensor-parallel-size": ("tensor_parallel_size", 1, "int", None, None, None),
+    "--nnodes": ("nnodes", 1, "int", None, None, None),
+    "--node-rank": ("node_rank", 0, "int", None, None, None),
+    "--dist-init-addr": ("dist_init_addr", None, None, None, None, None),
 }
+# Other spellings users bring from vLLM and SGLang.
+ENGINE_ALIASES = {"--tensor-parallel-size": ["--tp", "--tp-size"]}
 COMMANDS = ("generate", "serve", "chat", "eval")
 
 
@@ -52,12 +58,15 @@ def subparser(command: str) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_engine_flags_keep_their_spelling_default_and_conversion(command):
     group = next(g for g in subparser(command)._action_groups if g.title == "engine")
-    flags = {}
+    flags, aliases = {}, {}
     for a in group._group_actions:
-        (flag,) = a.option_strings
+        flag, *others = a.option_strings
         flags[flag] = (a.dest, a.default, getattr(a.type, "__name__", None),
                        None if a.choices is None else list(a.choices), a.nargs, a.const)
+        if others:
+            aliases[flag] = others
     assert flags == ENGINE_FLAGS
+    assert aliases == ENGINE_ALIASES
     assert all(a.help for a in group._group_actions)
 
 

@@ -7,6 +7,7 @@ size for the logits (one ``torch.multiprocessing`` spawn does every family)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -55,29 +56,40 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
             for arch, shape in SHAPES.items()}
 
 
-@pytest.fixture(scope="module")
-def engines(ckpts):
+class Engines:
     """``(arch, tp)`` → an ``LLM`` (tp 1: single process). A process holds one
     tensor-parallel engine at a time, so the tests of one ``(arch, tp)`` run together and the
-    engine is kept until another is asked for."""
-    single: dict[str, LLM] = {}
-    current: list = [None, None]  # key, LLM
+    engine is kept until another is asked for (or ``release``)."""
 
-    def get(arch: str, tp: int) -> LLM:
+    def __init__(self, ckpts: dict[str, str]):
+        self.ckpts = ckpts
+        self.single: dict[str, LLM] = {}
+        self.key: tuple[str, int] | None = None
+        self.current: LLM | None = None
+
+    def __call__(self, arch: str, tp: int) -> LLM:
         if tp == 1:
-            if arch not in single:
-                single[arch] = LLM(ckpts[arch], max_running_requests=4, page_size=4)
-            return single[arch]
-        if current[0] != (arch, tp):
-            if current[1] is not None:
-                current[1].engine.shutdown()
-            current[:] = [(arch, tp), LLM(ckpts[arch], max_running_requests=4, page_size=4,
-                                          tensor_parallel_size=tp)]
-        return current[1]
+            if arch not in self.single:
+                self.single[arch] = LLM(self.ckpts[arch], max_running_requests=4, page_size=4)
+            return self.single[arch]
+        if self.key != (arch, tp):
+            self.release()
+            self.current = LLM(self.ckpts[arch], max_running_requests=4, page_size=4,
+                               tensor_parallel_size=tp)
+            self.key = (arch, tp)
+        return self.current
 
-    yield get
-    if current[1] is not None:
-        current[1].engine.shutdown()
+    def release(self) -> None:
+        if self.current is not None:
+            self.current.engine.shutdown()
+        self.key, self.current = None, None
+
+
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    made = Engines(ckpts)
+    yield made
+    made.release()
 
 
 def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
@@ -208,3 +220,49 @@ def _alive(pid: int) -> bool:
     # A zombie (exited, not yet reaped by its parent) counts as gone.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+# ---- several hosts, torchrun ----------------------------------------------------------------
+def _run_script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+def test_two_nodes_on_one_host(engines, ckpts, tmp_path):
+    """``--nnodes 2``: node 1's process hosts rank 1 until rank 0 (node 0) ends; the tokens
+    are the single-process ones."""
+    path, addr = ckpts["SDARForCausalLM"], f"127.0.0.1:{_free_port()}"
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = _tokens(engines("SDARForCausalLM", 1), params)
+    engines.release()  # this process's tensor-parallel engine is the one below
+    node1 = subprocess.Popen([sys.executable, str(_run_script(tmp_path, f"""
+        from dllm import LLM
+        LLM({path!r}, tensor_parallel_size=2, nnodes=2, node_rank=1, dist_init_addr={addr!r})
+    """))])
+    llm = LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    finally:
+        llm.engine.shutdown()
+    assert node1.wait(timeout=30) == 0
+
+
+def test_torchrun_starts_the_ranks(engines, ckpts, tmp_path):
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = _tokens(engines("SDARForCausalLM", 1), params)
+    script = _run_script(tmp_path, f"""
+        import json, os
+        from dllm import LLM, SamplingParams
+        llm = LLM({ckpts["SDARForCausalLM"]!r})
+        out = llm.generate({PROMPTS!r}, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        print("TOKENS", json.dumps([o.token_ids for o in out]), flush=True)
+        llm.engine.shutdown()
+    """)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), str(script)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert len(lines) == 1  # rank 0 only
+    assert json.loads(lines[0][len("TOKENS "):]) == want
