@@ -21,7 +21,20 @@ Shifted logits (Fast-dLLM v2): the logits at a block's last position predict the
 first token. The commit forward reads it (greedily, as the reference's commit pass does, at any
 temperature) and it joins the output at once; a prompt that ends on a block boundary gets it
 from its prefill's last-token logits. It sits at position 0 of the next block, fixed (never
-masked or edited, as in the reference)."""
+masked or edited, as in the reference).
+
+Hybrid models (a recurrent state, DESIGN §6): each request holds one committed state slot, the
+state after its committed tokens. A prompt prefill row reads and writes it (the SSM runs
+causally over the chunk); a denoise row reads it and writes slot 0 (nothing: every step is
+re-run from the committed state); the commit forward of a resolved block writes it (the state
+after the block's final tokens). Under the overlap schedule a row built while the forward
+before it on the same block is in flight may be that block's commit forward or one more
+denoise step, which only the device knows: it writes the committed slot gated by the in-flight
+row's done flag (``ScheduledBatch.state_write_gate``). The next block's first denoise step is
+built only after the host read the resolution, so it is queued after the commit forward and
+reads the state that forward wrote (stream order). No working slot: the commit forward is a
+forward of its own over the final tokens, so an algorithm that edits a mask-free block
+(``joint_threshold``) edits only in denoise steps, which write no state."""
 
 from __future__ import annotations
 
@@ -79,6 +92,7 @@ class BlockDiffusionScheduler(Scheduler):
                                logits_mode=LogitsMode.LAST if first_token else LogitsMode.NONE)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
+            batch.add_state(req.state_slot, req.state_slot)  # the chunk continues the state
             batch.rows.append(Row(req))
         return batch
 
@@ -138,13 +152,16 @@ class BlockDiffusionScheduler(Scheduler):
                                logits_mode=LogitsMode.ALL)
         editable: list[bool] = []
         carry = Carry()
+        gates: list[torch.Tensor | None] = []
         for req, blk in rows:
             batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
             batch.row_groups.append(req.denoise.algorithm)
             batch.rows.append(Row(req, blk))
             editable += blk.editable  # bools: the registry stores them as 0/1
             # In flight on this block: its input is that forward's output, on the device.
-            carry.add(blk.carry if req.inflight else None)
+            carried = blk.carry if req.inflight else None
+            carry.add(carried)
+            gates.append(self._add_state(batch, req, blk, carried is not None))
         reqs = [req for req, _ in rows]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
@@ -155,7 +172,32 @@ class BlockDiffusionScheduler(Scheduler):
         )
         carry.attach(batch)
         batch.row_tensors.update(state_rows(reqs, self.req_pool.req_to_token.device))
+        if any(g is not None for g in gates):
+            one = self._one()
+            batch.state_write_gate = torch.stack([one if g is None else g for g in gates])
         return batch
+
+    def _add_state(self, batch: ScheduledBatch, req: Req, blk: BlockState,
+                   carried: bool) -> torch.Tensor | None:
+        """A hybrid denoise row's state slots (module docstring); returns its write gate
+        (None: the host knows whether it writes)."""
+        if req.state_slot is None:
+            return None
+        if blk.resolved:  # the commit forward
+            batch.add_state(req.state_slot, req.state_slot)
+            return None
+        if carried and blk.carry_done is not None:  # the commit forward iff that row is done
+            batch.add_state(req.state_slot, req.state_slot)
+            return blk.carry_done
+        batch.add_state(req.state_slot, 0)  # a denoise step: the state is discarded
+        return None
+
+    def _one(self) -> torch.Tensor:
+        one = getattr(self, "_one_tensor", None)
+        if one is None:
+            one = self._one_tensor = torch.ones((), dtype=torch.int64,
+                                                device=self.req_pool.req_to_token.device)
+        return one
 
     def launched_denoise(self, batch: ScheduledBatch,
                          output: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -174,6 +216,8 @@ class BlockDiffusionScheduler(Scheduler):
                 continue
             blk.step += 1
             blk.carry = (tokens, i)
+            if req.state_slot is not None:
+                blk.carry_done = packed[i, batch.block_size]
             blk.algo_state = {k: v[i] for k, v in states.items()}
 
     def apply_denoise(self, batch: ScheduledBatch, output: Any) -> list[Req]:

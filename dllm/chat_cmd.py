@@ -47,7 +47,7 @@ def run_chat(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             dllm=args.dllm or {})
     keep = args.history if args.history is not None else (
-        BUILTIN_HISTORY if args.model is None else None)
+        BUILTIN_HISTORY if args.model in (None, "builtin-hybrid") else None)
 
     def reply(history: list[dict[str, Any]]) -> str:
         out = llm.chat(prompt_messages(history, args.system, keep), params)[0]

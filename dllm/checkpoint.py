@@ -14,6 +14,10 @@ from dllm.models.registry import ArchitectureSpec, get_architecture
 # Known mask strings, tried in order when the tokenizer declares no mask token of its own.
 KNOWN_MASK_STRINGS = ("<|mask|>", "<|mdm_mask|>", "<|MASK|>", "<MASK>", "|<MASK>|", "[MASK]")
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parent / "builtin_model"
+# The hybrid sibling (Mamba2 + attention, ``GraniteMoeHybridForBlockDiffusion``), selected by
+# the model name ``builtin-hybrid``; trained by ``scripts/train_builtin.py --hybrid``.
+BUILTIN_HYBRID_NAME = "builtin-hybrid"
+BUILTIN_HYBRID_DIR = Path(__file__).resolve().parent / "builtin_hybrid"
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,12 @@ def resolve_model_path(model: str | None) -> str:
         if (BUILTIN_MODEL_DIR / "config.json").is_file():
             return str(BUILTIN_MODEL_DIR)
         raise ValueError("no model given and no built-in model is shipped; pass model=DIR")
+    if model == BUILTIN_HYBRID_NAME and not os.path.isdir(model):
+        if (BUILTIN_HYBRID_DIR / "config.json").is_file():
+            return str(BUILTIN_HYBRID_DIR)
+        raise ValueError(f"the built-in hybrid model is not packaged in this install "
+                         f"({BUILTIN_HYBRID_DIR} is missing); train it with `python "
+                         f"scripts/train_builtin.py --hybrid --out dllm/builtin_hybrid`")
     path = os.path.expanduser(model)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{model!r} is not a checkpoint directory (no config.json); dllm "

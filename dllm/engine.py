@@ -106,9 +106,12 @@ class Engine:
                 StopChecker(self.tokenizer, self.info.eos_token_ids), self.runner.state_pool)
         if self.task == "embed":
             return EmbeddingScheduler(*args, pooling=PoolingConfig.from_checkpoint(path))
-        if spec.recurrent_state and spec.kind != "causal_lm":  # issue 20: denoise over state
-            raise NotImplementedError(f"{self.info.architecture}: diffusion over a recurrent "
-                                      "state is not served yet")
+        if spec.recurrent_state and spec.kind == "full_diffusion":
+            raise NotImplementedError(
+                f"{self.info.architecture}: full-attention diffusion over a recurrent state is "
+                "not served (every step would re-run the whole canvas through the SSM; no "
+                "full-attention hybrid model exists); hybrids are served autoregressively or "
+                "by block diffusion")
         if spec.kind == "causal_lm":
             return AutoregressiveScheduler(*args)
         if spec.kind == "block_diffusion":

@@ -5,7 +5,12 @@ isolation, each in one place.
   request by request (``Scheduler.split``) so that only the failing request ends, with an
   error. A request writes only its own KV slots and a result is applied row by row, each row
   isolated (``Scheduler.apply_rows``), so an exception there means nothing was applied and a
-  retry is safe.
+  retry is safe — for KV, which a retry overwrites with the same values. Not for recurrent
+  state (hybrid models): a forward that fails after some Mamba layers ran has already
+  advanced the state of every row that writes it, and a retry would advance it again. So a
+  failed batch ends every row that writes state (``ScheduledBatch.state_writers``: a prefill
+  chunk, a decode step, a commit forward) with an error, and retries only the rows that write
+  none (block-diffusion denoise steps) one by one.
 * ``OverlapPipeline``: under the overlap schedule a step's overlappable forwards are queued
   first and the previous step's results are read and applied while the device runs them; the
   next step builds on results not yet read through ``Scheduler.launched``. Outputs are the
@@ -26,6 +31,10 @@ from dllm.runner.model_runner import ModelRunner
 from dllm.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+# The error suffix of a request ended because its batch failed while writing its state.
+STATE_WRITTEN = (" (its batch failed in a forward that writes this request's recurrent "
+                 "state, which may be partly advanced: it cannot be retried)")
 
 
 @dataclass
@@ -65,28 +74,35 @@ class Isolation:
         except Exception as exc:  # noqa: BLE001 - isolate the failing request
             self.check_peers()
             units = self.scheduler.split(batch)
-            if len(units) > 1:
-                return [req for unit in units for req in self.run(unit)]
+            if len(units) > 1 or batch.state_writers():
+                return self.retry(batch, exc, units)
             return self._fail(batch, exc)
 
-    def retry(self, batch: ScheduledBatch) -> list[Req]:
-        """Run ``batch`` request by request (after its launch failed), skipping requests
+    def retry(self, batch: ScheduledBatch, exc: Exception,
+              units: list[ScheduledBatch] | None = None) -> list[Req]:
+        """After ``batch`` failed with ``exc``: end the requests whose rows write recurrent
+        state (module docstring), and run the others request by request, skipping requests
         that have ended meanwhile."""
         changed = []
-        for unit in self.scheduler.split(batch):
-            if all(self.scheduler.row_owner(unit, i) is not None
-                   for i in range(unit.batch_size)):
+        for unit in units if units is not None else self.scheduler.split(batch):
+            if not all(self.scheduler.row_owner(unit, i) is not None
+                       for i in range(unit.batch_size)):
+                continue
+            if unit.state_writers():
+                changed.extend(self._fail(unit, exc, STATE_WRITTEN))
+            else:
                 changed.extend(self.run(unit))
         return changed
 
-    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[Req]:
+    def _fail(self, batch: ScheduledBatch, exc: Exception, why: str = "") -> list[Req]:
         failed, seen = [], set()
         for i, rid in enumerate(batch.rids):  # one request (a CFG request has two rows)
             req = self.scheduler.row_owner(batch, i)
             if req is not None and rid not in seen:
                 seen.add(rid)
-                logger.exception("request %s failed", rid)
-                self.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                logger.exception("request %s failed%s", rid, why)
+                self.scheduler.finish(req, FinishReason.ERROR,
+                                      f"{type(exc).__name__}: {exc}{why}")
                 failed.append(req)
         return failed
 
@@ -115,7 +131,7 @@ class OverlapPipeline:
             self.isolation.check_peers()
             logger.warning("a batch failed (%s: %s); retrying it request by request",
                            type(exc).__name__, exc)
-            return self.drain() + self.isolation.retry(batch)
+            return self.drain() + self.isolation.retry(batch, exc)
 
     def drain(self) -> list[Req]:
         """Apply the results still in flight."""

@@ -41,6 +41,10 @@ class BlockState:
     # The output row of the last forward launched on this block, ``(tokens, row)`` on the
     # device: the next step's input tokens while its result is in flight.
     carry: tuple[torch.Tensor, int] | None = None
+    # Hybrid models: that output row's done flag, a 0-d int64 device tensor; the next
+    # forward on this block is its commit forward, writing the committed state, exactly when
+    # it is 1 (``ScheduledBatch.state_write_gate``).
+    carry_done: torch.Tensor | None = None
     # Per-row algorithm state kept on the device between steps (0-d tensors).
     algo_state: dict[str, torch.Tensor] = field(default_factory=dict)
     transfers: int = 0  # mask→token transfers so far (metrics)

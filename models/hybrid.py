@@ -6,7 +6,7 @@ A Mamba layer reads each row's state from ``state_read_slots``, runs the mixer
 (``dllm.models.mamba2``: the recurrence of a whole row from that state, or one token a row
 in ``DECODE``) and writes the state after the row to ``state_write_slots``. The forward modes
 differ only in those indices (DESIGN §6): an autoregressive prefill chunk or decode step
-reads and writes the request's committed slot; a block-diffusion denoise step would write
+reads and writes the request's committed slot; a block-diffusion denoise step writes
 to slot 0, the padding slot, so the committed state stays as it was. Reads are gathers
 (copies), so a row that reads and writes the same slot sees the state before the step.
 Attention layers are numbered over the attention layers only (their KV-pool layer) and

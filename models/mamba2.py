@@ -100,9 +100,10 @@ class Mamba2Dims:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Mamba2Dims:
-        """The mixer of a ``config.json`` of one of the four architectures (by its keys)."""
+        """The mixer of a ``config.json`` of one of the hybrid architectures (by its keys)."""
         arch = (config.get("architectures") or [""])[0]
-        if arch in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM"):
+        if arch in ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridForBlockDiffusion",
+                    "BambaForCausalLM"):
             heads = config["mamba_n_heads"]
             inter = int(config.get("mamba_expand", 2) * config["hidden_size"])
             head_dim = config.get("mamba_d_head", "auto")

@@ -23,6 +23,8 @@ from dllm.models.qwen3 import Qwen3ForCausalLM
 from dllm.models.sdar import SDARForCausalLM
 from dllm.models.sdar_moe import SDARMoeForCausalLM
 
+BLOCK_DIFFUSION_GRANITE_HYBRID = "GraniteMoeHybridForBlockDiffusion"
+
 ModelKind = Literal["block_diffusion", "full_diffusion", "causal_lm"]
 AttentionKind = Literal["block_causal", "full", "causal"]
 
@@ -110,6 +112,14 @@ _SPECS = (
     # Hybrid Mamba2 + attention (and pure Mamba2), autoregressive over the state pool.
     ArchitectureSpec("GraniteMoeHybridForCausalLM", GraniteMoeHybridForCausalLM, "causal_lm",
                      "causal", logits_shift=1, recurrent_state=True),
+    # A Granite-H network trained for block diffusion (no such model is released: dllm's own
+    # ``builtin-hybrid`` is one). ``config.json`` is a GraniteMoeHybrid config (same keys,
+    # same tensor names) whose ``architectures[0]`` is this name, plus ``mask_token_id`` and
+    # ``block_size``; blocks are block-causal for attention and causal inside the SSM.
+    ArchitectureSpec(BLOCK_DIFFUSION_GRANITE_HYBRID, GraniteMoeHybridForCausalLM,
+                     "block_diffusion", "block_causal", default_block_size=8,
+                     mask_token_strings=("<|MASK|>",), turn_end_tokens=("<|im_end|>",),
+                     default_algorithm="low_confidence_dynamic", recurrent_state=True),
     ArchitectureSpec("BambaForCausalLM", BambaForCausalLM, "causal_lm", "causal",
                      logits_shift=1, recurrent_state=True),
     ArchitectureSpec("NemotronHForCausalLM", NemotronHForCausalLM, "causal_lm", "causal",

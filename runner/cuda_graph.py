@@ -210,6 +210,7 @@ class CudaGraphRunner(Runner):
             table_version=batch.table_version, carry=batch.carry, kind=batch.kind,
             state_read_slots=list(batch.state_read_slots),
             state_write_slots=list(batch.state_write_slots),
+            state_write_gate=batch.state_write_gate,  # its real rows only: padding writes 0
         )
         for i in range(n):
             out.add_row(f"<pad{i}>", 0, [0] * t, 0)

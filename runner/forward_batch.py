@@ -169,6 +169,12 @@ class ScheduledBatch(Generic[RowT]):
     # model has no recurrent state (``ForwardBatch.state_read_slots``).
     state_read_slots: list[int] = field(default_factory=list)
     state_write_slots: list[int] = field(default_factory=list)
+    # Overlapped scheduling over a hybrid: ``[bs]`` int64 0/1 on the device, or None. Row i
+    # writes its state to ``state_write_slots[i]`` only where the gate is 1, else to slot 0
+    # (a block-diffusion row whose block may have resolved in the forward still in flight:
+    # it is the block's commit forward exactly when that forward finished the block, which
+    # only the device knows yet). The registry multiplies the write slots by it.
+    state_write_gate: torch.Tensor | None = None
     # The scheduler's own object of each row (``RowT``: ``dllm.scheduler.Row``, the request
     # and the block it denoises), handed back with the batch when its result is applied; the
     # runner never reads them. A result applied a step late must not reach a new request
@@ -205,6 +211,11 @@ class ScheduledBatch(Generic[RowT]):
             self.state_read_slots.append(read)
             self.state_write_slots.append(0 if write is None else write)
 
+    def state_writers(self) -> list[int]:
+        """The rows whose forward may write recurrent state (a write slot other than 0; a
+        gated row counts, its gate unknown to the host)."""
+        return [i for i, w in enumerate(self.state_write_slots) if w != 0]
+
     def row(self, i: int) -> ScheduledBatch:
         """Row ``i`` alone (a one-request batch with the same settings)."""
         start = sum(self.extend_lens[:i])
@@ -219,6 +230,8 @@ class ScheduledBatch(Generic[RowT]):
             row_groups=self.row_groups[i : i + 1], carry=self.carry,
             state_read_slots=self.state_read_slots[i : i + 1],
             state_write_slots=self.state_write_slots[i : i + 1],
+            state_write_gate=(None if self.state_write_gate is None
+                              else self.state_write_gate[i : i + 1]),
             rows=self.rows[i : i + 1],
         )
         one.add_row(self.rids[i], self.req_pool_indices[i], self.input_ids[start:end],

@@ -210,6 +210,9 @@ class InputRegistry:
                  for name in CORE_FIELDS}
         if batch.carry is not None:
             self._check_carry(batch)
+        if batch.state_write_gate is not None:  # after the host values landed (stream order)
+            gate = batch.state_write_gate
+            self.buffers["state_write_slots"][: len(gate)].mul_(gate)
         if not self._staged_on_device(batch, views, req_to_token, out_cache_loc is None):
             if batch.carry is not None:
                 self._gather_carry(batch, views["input_ids"])

@@ -23,6 +23,18 @@ At the end the script decodes held-out questions (the eval seed) with a naive bl
 decoder (full recompute per step) and prints accuracy and tokens per forward.
 
     python scripts/train_builtin.py --out dllm/builtin_model --max-minutes 7
+
+``--hybrid`` trains the hybrid sibling (``dllm/builtin_hybrid/``, ``--model builtin-hybrid``):
+the same corpus, tokenizer and objective on a Granite-H layout (``--attention-every`` 4: three
+Mamba2 layers, then one attention layer), exported as a ``GraniteMoeHybridForBlockDiffusion``
+checkpoint (GraniteMoeHybrid keys and tensor names, plus ``mask_token_id`` and ``block_size``).
+The two copies pass the Mamba2 layers as the engine runs them: the clean copy causally over
+the whole sequence (the committed state); each noised block from the clean state and conv
+window at its start, causally within the block (a denoise step from the committed state).
+The SSM is the chunked closed form of ``dllm.models.mamba2`` with one chunk per block, in
+plain differentiable torch.
+
+    python scripts/train_builtin.py --hybrid --out dllm/builtin_hybrid --max-minutes 10
 """
 
 from __future__ import annotations
@@ -64,6 +76,14 @@ _ensure_dllm_importable()
 from dllm import tasks  # noqa: E402
 from dllm.models.attention import AttentionLayer  # noqa: E402
 from dllm.models.config import ModelConfig  # noqa: E402
+from dllm.models.granite_hybrid import GraniteMoeHybridForCausalLM  # noqa: E402
+from dllm.models.mamba2 import (  # noqa: E402
+    Mamba2Mixer,
+    discretize,
+    gated_rms_norm,
+    split_projection,
+)
+from dllm.models.registry import BLOCK_DIFFUSION_GRANITE_HYBRID  # noqa: E402
 from dllm.models.sdar import SDARForCausalLM  # noqa: E402
 from dllm.runner.attention.base import AttentionBackend  # noqa: E402
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode  # noqa: E402
@@ -293,6 +313,153 @@ def model_config(args: argparse.Namespace, tok: Tokenizer) -> dict:
     }
 
 
+def hybrid_config(args: argparse.Namespace, tok: Tokenizer) -> dict:
+    """The Granite-H layout: ``attention_every - 1`` Mamba2 layers, then one attention layer,
+    repeated; no μP multipliers (all 1, attention scale 1/sqrt(head_dim)); RoPE attention
+    unless ``--nope`` (Granite 4.0-H's own attention is NoPE)."""
+    vocab = tok.get_vocab_size()
+    head_dim = args.hidden_size // args.heads
+    kinds = ["attention" if (i + 1) % args.attention_every == 0 else "mamba"
+             for i in range(args.layers)]
+    return {
+        "architectures": [BLOCK_DIFFUSION_GRANITE_HYBRID], "model_type": "granitemoehybrid",
+        "attention_bias": False, "attention_dropout": 0.0, "attention_multiplier": head_dim ** -0.5,
+        "block_size": args.block_size, "bos_token_id": tok.token_to_id(EOT),
+        "eos_token_id": tok.token_to_id(IM_END), "embedding_multiplier": 1.0,
+        "hidden_act": "silu", "hidden_size": args.hidden_size, "initializer_range": 0.02,
+        "intermediate_size": args.intermediate_size, "layer_types": kinds, "logits_scaling": 1.0,
+        "mamba_chunk_size": 64, "mamba_conv_bias": True, "mamba_d_conv": 4,
+        "mamba_d_head": args.mamba_head_dim, "mamba_d_state": args.mamba_d_state,
+        "mamba_expand": 2, "mamba_n_groups": 1,
+        "mamba_n_heads": 2 * args.hidden_size // args.mamba_head_dim, "mamba_proj_bias": False,
+        "mask_token_id": tok.token_to_id(MASK), "max_position_embeddings": args.max_positions,
+        "normalization_function": "rmsnorm", "num_attention_heads": args.heads,
+        "num_experts_per_tok": 0, "num_hidden_layers": args.layers,
+        "num_key_value_heads": args.heads, "num_local_experts": 0,
+        "pad_token_id": tok.token_to_id(EOT),
+        "position_embedding_type": "nope" if args.nope else "rope",
+        "residual_multiplier": 1.0, "rms_norm_eps": 1e-6, "rope_scaling": None,
+        "rope_theta": 10000.0, "shared_intermediate_size": args.intermediate_size,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": -(-vocab // 64) * 64,
+    }
+
+
+def init_mamba(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Mamba2's usual initialisation: ``dt_bias`` the inverse softplus of a dt drawn
+    log-uniformly in [1e-3, 1e-1], ``A = -[1, 16]`` uniformly, ``D = 1``."""
+    for m in model.modules():
+        if isinstance(m, Mamba2Mixer):
+            with torch.no_grad():
+                h = m.dt_bias.shape[0]
+                dt = torch.exp(torch.rand(h, generator=gen) * (math.log(0.1) - math.log(1e-3))
+                               + math.log(1e-3))
+                m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+                m.A_log.copy_(torch.log(1 + 15 * torch.rand(h, generator=gen)))
+                m.D.fill_(1.0)
+
+
+def _conv_blocks(xbc: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``silu(causal conv)`` of ``xbc [b, n, B, C]`` (n blocks), each block's window
+    continuing from ``prev [b, n, K-1, C]`` (the inputs before it)."""
+    k = weight.shape[-1]
+    window = torch.cat([prev, xbc], dim=2)  # [b, n, K-1+B, C]
+    taps = window.unfold(2, k, 1)  # [b, n, B, C, K]
+    out = (taps * weight).sum(-1)
+    return F.silu(out + bias if bias is not None else out)
+
+
+def _ssd_blocks(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block, from a zero state: ``x [b, n, B, H, P]``, ``dt [b, n, B, H]``, ``a [H]``,
+    ``b, c [b, n, B, H, N]``. Returns the intra-block output ``[b, n, B, H, P]``, the
+    cumulative decay ``c_t [b, n, B, H]`` and each block's own end state ``[b, n, H, P, N]``."""
+    da = dt * a
+    cum = da.cumsum(dim=2)
+    seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, n, t, s, H]: c_t - c_s
+    length = x.shape[2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp(seg.masked_fill(~causal[None, None, :, :, None], -math.inf))
+    xdt = x * dt[..., None]
+    scores = torch.einsum("bntho,bnsho->bntsh", c, b) * decay
+    y = torch.einsum("bntsh,bnshp->bnthp", scores, xdt)
+    to_end = torch.exp(cum[:, :, -1:, :] - cum)  # [b, n, B, H]
+    end = torch.einsum("bnsh,bnshp,bnsho->bnhpo", to_end, xdt, b)
+    return y, cum, end
+
+
+def mamba_two_copies(m: Mamba2Mixer, noised: torch.Tensor, clean: torch.Tensor,
+                     block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixer over the two copies ``[b, L, H]`` (module docstring): the clean copy causal
+    over the sequence, each noised block from the clean state (and conv window) at its
+    start. Matches ``Mamba2Mixer.forward`` of a block from that state (checked in
+    ``tests/test_builtin_model.py``)."""
+    d = m.dims
+    bsz, length, _ = clean.shape
+    n, k = length // block, d.conv_kernel
+    both = torch.stack([noised, clean])  # [2, b, L, H]
+    z, xbc, dt = split_projection(m.in_proj(both), d)
+    xbc = xbc.view(2, bsz, n, block, -1)
+    # Conv windows: the K-1 clean inputs before each block (zeros before the first).
+    tail = xbc[1, :, :, block - (k - 1):]  # [b, n, K-1, C]
+    prev = torch.cat([torch.zeros_like(tail[:, :1]), tail[:, :-1]], dim=1)
+    weight = m.conv1d.weight.squeeze(1)
+    conv = _conv_blocks(xbc.reshape(2 * bsz, n, block, -1), prev.repeat(2, 1, 1, 1),
+                        weight, m.conv1d.bias).view(2, bsz, n, block, -1)
+    dt, a = discretize(dt, m.dt_bias, m.A_log, d.time_step_limit)
+    x, bm, cm = conv.float().split([d.intermediate_size, d.n_groups * d.d_state,
+                                    d.n_groups * d.d_state], dim=-1)
+    rep = d.num_heads // d.n_groups
+    x = x.reshape(2 * bsz, n, block, d.num_heads, d.head_dim)
+    bm = bm.reshape(2 * bsz, n, block, d.n_groups, d.d_state).repeat_interleave(rep, dim=3)
+    cm = cm.reshape(2 * bsz, n, block, d.n_groups, d.d_state).repeat_interleave(rep, dim=3)
+    dt = dt.reshape(2 * bsz, n, block, d.num_heads)
+    y, cum, end = _ssd_blocks(x, dt, a, bm, cm)
+    # The clean copy's state at each block start: h_{j+1} = exp(c_end) h_j + end_j.
+    starts = [torch.zeros_like(end[bsz:, 0])]
+    for j in range(n - 1):
+        starts.append(starts[-1] * torch.exp(cum[bsz:, j, -1])[..., None, None]
+                      + end[bsz:, j])
+    h0 = torch.stack(starts, dim=1).repeat(2, 1, 1, 1, 1)  # [2b, n, H, P, N]
+    y = y + torch.einsum("bnhpo,bntho->bnthp", h0, cm) * torch.exp(cum)[..., None]
+    y = y + x * m.D.float()[:, None]
+    y = y.reshape(2, bsz, length, d.intermediate_size)
+    out = m.out_proj(gated_rms_norm(y, z, m.norm.weight, d.norm_eps,
+                                    d.norm_group_size).to(both.dtype))
+    return out[0], out[1]
+
+
+def hybrid_hidden(model: GraniteMoeHybridForCausalLM, xt: torch.Tensor | None,
+                  x0: torch.Tensor, mask: torch.Tensor, block: int) -> torch.Tensor:
+    """Hidden states ``[b, L, H]`` of the noised copy ``xt``: attention layers over the two
+    copies under ``block_diffusion_mask`` (as for the attention-only model), Mamba2 layers by
+    ``mamba_two_copies``. ``xt`` None: the one sequence ``x0`` under a block-causal ``mask``
+    (the SSM causal over it), for decoding; batched, unlike the runner's stateless path."""
+    b, length = x0.shape
+    copies = 1 if xt is None else 2
+    inner = model.model
+    pos = torch.arange(length, device=x0.device)
+    ids = x0 if xt is None else torch.cat([xt, x0], dim=1)
+    fb = dense_batch(ids, mask)
+    flat_pos = pos.repeat(copies).expand(b, copies * length).reshape(-1)
+    x = inner.embed_tokens(ids.reshape(-1)) * inner.embedding_multiplier
+    for layer in inner.layers:
+        h = layer.input_layernorm(x)
+        if layer.is_mamba:
+            hv = h.view(b, copies * length, -1)
+            noised, clean = mamba_two_copies(layer.mamba, hv[:, :length], hv[:, -length:],
+                                             block)
+            h = (clean if xt is None else torch.cat([noised, clean], dim=1)).reshape(
+                b * copies * length, -1)
+        else:
+            h = layer.self_attn(flat_pos, h, fb)
+        x = x + h * layer.residual_multiplier
+        h = layer.post_attention_layernorm(x)
+        x = x + layer.shared_mlp(h) * layer.residual_multiplier
+    return inner.norm(x).view(b, copies * length, -1)[:, :length]
+
+
 class DenseMaskAttention(AttentionBackend):
     """Training/eval attention: the flat token axis is ``[batch, S]`` rows of equal length,
     attended with ``scaled_dot_product_attention`` under one explicit ``[S, S]`` mask taken
@@ -364,7 +531,10 @@ def training_loss(model: SDARForCausalLM, x0: torch.Tensor, prompt_len: torch.Te
     noise = torch.rand(b, L, device=dev, generator=gen)
     masked = response & (noise < t.repeat_interleave(block, dim=1))
     xt = torch.where(masked, torch.full_like(x0, mask_id), x0)
-    hidden = run_hidden(model, torch.cat([xt, x0], dim=1), torch.cat([pos, pos]), mask2)
+    if isinstance(model, GraniteMoeHybridForCausalLM):
+        hidden = hybrid_hidden(model, xt, x0, mask2, block)
+    else:
+        hidden = run_hidden(model, torch.cat([xt, x0], dim=1), torch.cat([pos, pos]), mask2)
     logits = model.compute_logits(hidden[:, :L][masked]).float()
     return F.cross_entropy(logits, x0[masked])
 
@@ -409,7 +579,9 @@ def naive_decode(model: SDARForCausalLM, prompts: list[list[int]], block: int, m
     while bool(active.any()):
         idx = active.nonzero().squeeze(1)
         with torch.autocast(dev.type, torch.bfloat16, enabled=autocast):
-            hidden = run_hidden(model, x[idx], pos, mask)
+            hidden = (hybrid_hidden(model, None, x[idx], mask, block)
+                      if isinstance(model, GraniteMoeHybridForCausalLM)
+                      else run_hidden(model, x[idx], pos, mask))
         cols = cur[idx, None] * block + offs  # [a, B]
         h = hidden[torch.arange(len(idx), device=dev)[:, None], cols]
         probs = model.compute_logits(h).float().softmax(-1)
@@ -469,11 +641,36 @@ def evaluate(model: SDARForCausalLM, tok: Tokenizer, block: int, n_per_family: i
 # ---------------------------------------------------------------------------------------------
 
 
+def granite_names(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The hybrid's parameters under GraniteMoeHybrid's released tensor names: the packed
+    ``qkv_proj`` split into ``q_proj``/``k_proj``/``v_proj``, ``shared_mlp.gate_up_proj`` as
+    ``shared_mlp.input_linear`` (gate rows first, as Granite stores it), ``down_proj`` as
+    ``output_linear``."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    sizes = [config["num_attention_heads"] * head_dim,
+             config["num_key_value_heads"] * head_dim, config["num_key_value_heads"] * head_dim]
+    out = {}
+    for name, t in state.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name[: -len("qkv_proj.weight")]
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), t.split(sizes), strict=True):
+                out[f"{base}{part}.weight"] = rows.contiguous()
+        elif name.endswith("shared_mlp.gate_up_proj.weight"):
+            out[name.replace("gate_up_proj", "input_linear")] = t
+        elif name.endswith("shared_mlp.down_proj.weight"):
+            out[name.replace("down_proj", "output_linear")] = t
+        else:
+            out[name] = t
+    return out
+
+
 def save_checkpoint(model: SDARForCausalLM, config: dict, tok: Tokenizer, out: Path,
                     block: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.bfloat16).contiguous()
              for k, v in model.state_dict().items()}
+    if isinstance(model, GraniteMoeHybridForCausalLM):
+        state = granite_names(state, config)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
@@ -492,6 +689,14 @@ def save_checkpoint(model: SDARForCausalLM, config: dict, tok: Tokenizer, out: P
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--hybrid", action="store_true",
+                   help="train the hybrid sibling (Mamba2 + attention, Granite-H layout)")
+    p.add_argument("--attention-every", type=int, default=4,
+                   help="--hybrid: every N-th layer is attention, the others Mamba2")
+    p.add_argument("--mamba-head-dim", type=int, default=64)
+    p.add_argument("--mamba-d-state", type=int, default=32)
+    p.add_argument("--nope", action="store_true",
+                   help="--hybrid: attention without positions (Granite 4.0-H's own choice)")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
@@ -550,8 +755,14 @@ def main(argv: list[str] | None = None) -> dict:
     weights = torch.tensor([float(counts[L]) for L in lengths])
     masks = {L: block_diffusion_mask(L, args.block_size, device) for L in lengths}
 
-    config = model_config(args, tok)
-    model = SDARForCausalLM(ModelConfig(config)).to(device)
+    if args.hybrid:
+        config = hybrid_config(args, tok)
+        model = GraniteMoeHybridForCausalLM(ModelConfig(config))  # torch's default init
+        init_mamba(model, torch.Generator().manual_seed(args.seed))
+        model = model.to(device)
+    else:
+        config = model_config(args, tok)
+        model = SDARForCausalLM(ModelConfig(config)).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, config {json.dumps(config)}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

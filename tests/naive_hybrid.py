@@ -298,7 +298,9 @@ def _mamba2(c, w, ids, mask):
     return x @ w.get("lm_head.weight", w["backbone.embeddings.weight"]).T
 
 
-FORWARDS = {"GraniteMoeHybridForCausalLM": _granite, "BambaForCausalLM": _bamba,
+FORWARDS = {"GraniteMoeHybridForCausalLM": _granite,
+            "GraniteMoeHybridForBlockDiffusion": _granite,  # the same network
+            "BambaForCausalLM": _bamba,
             "NemotronHForCausalLM": _nemotron_h, "Mamba2ForCausalLM": _mamba2}
 
 

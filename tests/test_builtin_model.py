@@ -152,3 +152,57 @@ def test_training_script_tiny_run_writes_loadable_checkpoint(tmp_path):
     got = llm.chat([{"role": "user", "content": "What is 1+1?"}],
                    SamplingParams(max_new_tokens=8))[0]
     assert got.error is None and len(got.token_ids) >= 1
+
+
+def test_hybrid_training_tiny_run_writes_loadable_checkpoint(tmp_path):
+    """``--hybrid``: a Granite-H layout (Mamba2, attention) trained with the same objective,
+    exported under GraniteMoeHybrid's tensor names as a GraniteMoeHybridForBlockDiffusion
+    checkpoint that the engine serves by block diffusion."""
+    import torch
+
+    train = load_train_script()
+    out = tmp_path / "hybrid"
+    summary = train.main([
+        "--hybrid", "--out", str(out), "--hidden-size", "32", "--layers", "2", "--heads", "2",
+        "--attention-every", "2", "--mamba-head-dim", "16", "--mamba-d-state", "8",
+        "--intermediate-size", "64", "--steps", "3", "--warmup", "2",
+        "--train-examples", "400", "--batch-tokens", "512", "--workers", "1",
+        "--eval-per-family", "1", "--seed", "3",
+    ])
+    assert summary["steps"] == 3 and summary["final_loss"] > 0
+    model, spec, config = load_model(out)
+    assert spec.name == "GraniteMoeHybridForBlockDiffusion" and spec.recurrent_state
+    assert config["layer_types"] == ["mamba", "attention"] and config["block_size"] == 8
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.1.self_attn.q_proj.weight", "model.layers.0.mamba.A_log",
+            "model.layers.0.shared_mlp.input_linear.weight"} <= names
+    llm = LLM(str(out), max_running_requests=2)
+    assert llm.engine.runner.state_pool is not None
+    got = llm.chat([{"role": "user", "content": "What is 1+1?"}],
+                   SamplingParams(max_new_tokens=8))[0]
+    assert got.error is None and len(got.token_ids) >= 1
+    llm.engine.check_memory()
+    # The training forward's Mamba2 layers equal the engine's mixer from the clean state.
+    m = model.model.layers[0].mamba
+    g = torch.Generator().manual_seed(0)
+    clean, noised = torch.randn(2, 1, 16, 32, generator=g)
+    got_noised, got_clean = train.mamba_two_copies(m, noised, clean, 8)
+    conv, ssm = m.zero_states(1)
+    want_clean, conv, ssm = m(clean[0], conv, ssm, [16])
+    _, conv8, ssm8 = m(clean[0, :8], *m.zero_states(1), [8])
+    want_block, _, _ = m(noised[0, 8:], conv8, ssm8, [8])
+    assert torch.allclose(got_clean[0], want_clean, atol=1e-5)
+    assert torch.allclose(got_noised[0, 8:], want_block, atol=1e-5)
+
+
+def test_builtin_hybrid_name_says_when_it_is_not_packaged():
+    from dllm.checkpoint import BUILTIN_HYBRID_DIR, resolve_model_path
+
+    if (BUILTIN_HYBRID_DIR / "config.json").is_file():
+        assert resolve_model_path("builtin-hybrid") == str(BUILTIN_HYBRID_DIR)
+    else:
+        with pytest.raises(ValueError, match="built-in hybrid model is not packaged"):
+            LLM("builtin-hybrid")

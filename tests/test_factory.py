@@ -61,7 +61,8 @@ REAL_NAMES = {
 }
 MASK_STRINGS = {a: ARCHITECTURES[a].mask_token_strings[0] for a in DIFFUSION}
 # Real configs carrying mask_token_id (LLaDA2's and Fast-dLLM v2's do not).
-CONFIG_MASK = {"LLaDAModelLM", "DreamModel", "SDARForCausalLM", "SDARMoeForCausalLM"}
+CONFIG_MASK = {"LLaDAModelLM", "DreamModel", "SDARForCausalLM", "SDARMoeForCausalLM",
+               "GraniteMoeHybridForBlockDiffusion"}  # dllm's own: its config carries it
 # Tokenizers whose tokenizer_config names the mask token (LLaDA's and Fast-dLLM v2's do not:
 # the engine finds it through config.json or the known mask strings).
 TOKENIZER_MASK = {"DreamModel", "SDARForCausalLM", "SDARMoeForCausalLM", "LLaDA2MoeModelLM",

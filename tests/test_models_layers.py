@@ -197,16 +197,20 @@ def test_registry_values() -> None:
         "BambaForCausalLM": ("causal_lm", "causal", None, None, 1, None),
         "NemotronHForCausalLM": ("causal_lm", "causal", None, None, 1, None),
         "Mamba2ForCausalLM": ("causal_lm", "causal", None, None, 1, None),
+        "GraniteMoeHybridForBlockDiffusion": ("block_diffusion", "block_causal", None, 8, 0,
+                                              None),
     }
     assert set(ARCHITECTURES) == set(want)
     assert {n for n, s in ARCHITECTURES.items() if s.recurrent_state} == {
         "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
-        "Mamba2ForCausalLM"}
+        "Mamba2ForCausalLM", "GraniteMoeHybridForBlockDiffusion"}
+    # A Granite-H network served by block diffusion: the Granite module itself.
+    network = {"GraniteMoeHybridForBlockDiffusion": "GraniteMoeHybridForCausalLM"}
     for name, (kind, attn, mask, block, shift, sub) in want.items():
         s = get_architecture(name)
         assert (s.kind, s.attention, s.default_mask_id, s.default_block_size, s.logits_shift,
                 s.default_sub_block_size) == (kind, attn, mask, block, shift, sub), name
-        assert s.model_cls.__name__ == name
+        assert s.model_cls.__name__ == network.get(name, name)
         assert s.is_diffusion == (kind != "causal_lm")
         assert bool(s.mask_token_strings) == s.is_diffusion
     assert get_architecture("Fast_dLLM_QwenForCausalLM").block_size_keys[0] == "bd_size"

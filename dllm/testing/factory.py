@@ -569,6 +569,7 @@ def _mamba2_tensors(c: dict[str, Any]) -> TensorList:
 
 HYBRID_TENSORS: dict[str, Callable[[dict[str, Any]], TensorList]] = {
     "GraniteMoeHybridForCausalLM": _granite_hybrid_tensors,
+    "GraniteMoeHybridForBlockDiffusion": _granite_hybrid_tensors,
     "BambaForCausalLM": _bamba_tensors,
     "NemotronHForCausalLM": _nemotron_h_tensors,
     "Mamba2ForCausalLM": _mamba2_tensors,
@@ -609,7 +610,7 @@ def _hybrid_gains(architecture: str, config: dict[str, Any]) -> dict[str, float]
     projections carry the gain that brings them to ``GRANITE_BRANCH_OVER_EMBED`` times the
     scaled embedding (a tied head otherwise predicts the current token again: greedy output
     repeats one token)."""
-    if architecture != "GraniteMoeHybridForCausalLM":
+    if not architecture.startswith("GraniteMoeHybridFor"):
         return {}
     head = float(config.get("logits_scaling", 1.0))
     branch = (GRANITE_BRANCH_OVER_EMBED * float(config.get("embedding_multiplier", 1.0))
@@ -631,8 +632,8 @@ def make_tiny_hybrid_checkpoint(layout: str, path: str | Path, seed: int = 0, *,
                                 shards: int = 1, dtype: str = "float32",
                                 **config_overrides: Any) -> Path:
     """``make_tiny_checkpoint`` for the hybrid architectures: ``layout`` is a key of
-    ``families.HYBRID_LAYOUTS`` (``granite-h-micro``, ``granite-h-tiny``, ``bamba``,
-    ``nemotron-h``, ``mamba2``) or an architecture of ``HYBRID_RELEASES``. Same files, same
+    ``families.HYBRID_LAYOUTS`` (``granite-h-micro``, ``granite-h-tiny``, ``granite-h-bd``,
+    ``bamba``, ``nemotron-h``, ``mamba2``) or an architecture of ``HYBRID_RELEASES``. Same files, same
     tokenizer, same deterministic weights in ``seed``."""
     if layout in HYBRID_RELEASES:
         architecture, base = layout, HYBRID_RELEASES[layout].config

@@ -549,8 +549,23 @@ MAMBA2_CONFIG: dict[str, Any] = {
     "use_conv_bias": True, "vocab_size": 512,
 }
 
+# ---- a Granite-H network trained for block diffusion (``GraniteMoeHybridForBlockDiffusion``) --
+# No such model is released: the layout of dllm's own ``builtin-hybrid`` (scripts/
+# train_builtin.py --hybrid), Granite-H micro's keys plus the block-diffusion fields
+# ``mask_token_id`` (a ``<|MASK|>`` token added to the tokenizer) and ``block_size`` (4 here:
+# prompts and outputs cross several blocks).
+GRANITE_H_BD_CONFIG: dict[str, Any] = {
+    **GRANITE_H_MICRO_CONFIG, "architectures": ["GraniteMoeHybridForBlockDiffusion"],
+    "mask_token_id": Tok("<|MASK|>"), "block_size": 4,
+}
+GRANITE_H_BD_TOKENIZER = TokenizerSpec(
+    added=(*_GRANITE_ADDED, ("<|MASK|>", True)), config=GRANITE_H_TOKENIZER.config,
+    special_map=GRANITE_H_TOKENIZER.special_map)
+
 HYBRID_RELEASES: dict[str, Release] = {
     "GraniteMoeHybridForCausalLM": Release(None, GRANITE_H_MICRO_CONFIG, GRANITE_H_TOKENIZER),
+    "GraniteMoeHybridForBlockDiffusion": Release(None, GRANITE_H_BD_CONFIG,
+                                                 GRANITE_H_BD_TOKENIZER),
     "BambaForCausalLM": Release(None, BAMBA_CONFIG, BAMBA_TOKENIZER),
     "NemotronHForCausalLM": Release(None, NEMOTRON_H_CONFIG, NEMOTRON_H_TOKENIZER),
     "Mamba2ForCausalLM": Release(None, MAMBA2_CONFIG, NEMOTRON_H_TOKENIZER),
@@ -559,6 +574,7 @@ HYBRID_RELEASES: dict[str, Release] = {
 HYBRID_LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "granite-h-micro": ("GraniteMoeHybridForCausalLM", GRANITE_H_MICRO_CONFIG),
     "granite-h-tiny": ("GraniteMoeHybridForCausalLM", GRANITE_H_TINY_CONFIG),
+    "granite-h-bd": ("GraniteMoeHybridForBlockDiffusion", GRANITE_H_BD_CONFIG),
     "bamba": ("BambaForCausalLM", BAMBA_CONFIG),
     "nemotron-h": ("NemotronHForCausalLM", NEMOTRON_H_CONFIG),
     "mamba2": ("Mamba2ForCausalLM", MAMBA2_CONFIG),

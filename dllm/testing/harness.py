@@ -146,17 +146,29 @@ def forbid_host_sync() -> Iterator[None]:
 
 
 @contextmanager
-def fail_on_token(model: torch.nn.Module, token: int | None) -> Iterator[None]:
+def fail_on_token(model: torch.nn.Module, token: int | None,
+                  inside: torch.nn.Module | None = None) -> Iterator[None]:
     """Inside, a forward of ``model`` whose input ids contain ``token`` (every forward, for
     ``None``) raises ``RuntimeError("injected failure")``: a request-specific failure, to
-    show the engine finishes only that request."""
+    show the engine finishes only that request. ``inside``: raise when the forward reaches
+    that submodule instead of at its start (the layers before it have run: a hybrid's Mamba
+    layers have written their state)."""
+    hit = [False]
 
-    def fail(module: torch.nn.Module, args: tuple) -> None:
-        if token is None or (args[0] == token).any():
+    def check(module: torch.nn.Module, args: tuple) -> None:
+        hit[0] = token is None or bool((args[0] == token).any())
+        if hit[0] and inside is None:
             raise RuntimeError("injected failure")
 
-    handle = model.register_forward_pre_hook(fail)
+    def fail(module: torch.nn.Module, args: tuple) -> None:
+        if hit[0]:
+            raise RuntimeError("injected failure")
+
+    handles = [model.register_forward_pre_hook(check)]
+    if inside is not None:
+        handles.append(inside.register_forward_pre_hook(fail))
     try:
         yield
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
