@@ -12,13 +12,13 @@ from dllm.cli_args import engine_config_from_args
 from dllm.config import EngineConfig
 from dllm.server.cli import build_parser
 
-DTYPES = ["auto", "bf16", "bfloat16", "float16", "float32", "fp16", "fp32"]
+DTYPES = ["auto", "bf16", "bfloat16", "float", "float16", "float32", "fp16", "fp32", "half"]
 # flag: (dest, default, type, choices, nargs, const) -- the hand-written parser's, exactly
 ENGINE_FLAGS = {
     "--model": ("model", None, None, None, None, None),
     "--tokenizer": ("tokenizer", None, None, None, None, None),
     "--algorithm": ("algorithm", None, None, None, None, None),
-    "--algorithm-config": ("algorithm_config", {}, "loads", None, None, None),
+    "--algorithm-config": ("algorithm_config", {}, "json_object", None, None, None),
     "--block-size": ("block_size", None, "int", None, None, None),
     "--mask-token-id": ("mask_token_id", None, "int", None, None, None),
     "--max-running-requests": ("max_running_requests", 64, "int", None, None, None),
@@ -32,7 +32,10 @@ ENGINE_FLAGS = {
     "--attention-backend": ("attention_backend", "auto", None, ["auto", "sdpa", "flashinfer"],
                             None, None),
     "--seed": ("seed", 0, "int", None, None, None),
-    "--served-model-name": ("served_model_name", None, None, None, None, None),
+    "--served-model-name": ("served_model_name", None, "str", None, "+", None),
+    "--chat-template": ("chat_template", None, None, None, None, None),
+    "--trust-remote-code": ("trust_remote_code", False, None, None, 0, True),
+    "--tensor-parallel-size": ("tensor_parallel_size", 1, "int", None, None, None),
     "--task": ("task", "auto", None, ["auto", "generate", "embed"], None, None),
     "--load-format": ("load_format", "safetensors", None, ["safetensors", "dummy"], None, None),
     "--disable-cuda-graph": ("disable_cuda_graph", False, None, None, 0, True),
@@ -54,10 +57,14 @@ def test_engine_flags_keep_their_spelling_default_and_conversion(command):
     group = next(g for g in subparser(command)._action_groups if g.title == "engine")
     flags = {}
     for a in group._group_actions:
-        (flag,) = a.option_strings
+        flag = a.option_strings[0]
         flags[flag] = (a.dest, a.default, getattr(a.type, "__name__", None),
                        None if a.choices is None else list(a.choices), a.nargs, a.const)
     assert flags == ENGINE_FLAGS
+    aliases = {a.option_strings[0]: a.option_strings[1:] for a in group._group_actions
+               if len(a.option_strings) > 1}
+    assert aliases == {"--context-length": ["--max-model-len"],
+                       "--tensor-parallel-size": ["--tp", "--tp-size"]}
     assert all(a.help for a in group._group_actions)
 
 
@@ -86,4 +93,9 @@ def test_a_bad_flag_value_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["chat", *argv])
     assert exc.value.code == 2
-    assert f"argument {argv[0]}: invalid" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}: " in err and len(err.strip().splitlines()) == 1
+    if argv[0] == "--algorithm-config":
+        assert "is not JSON" in err and """'{"threshold": 0.9}'""" in err
+    else:
+        assert f"argument {argv[0]}: invalid" in err
