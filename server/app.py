@@ -1,7 +1,8 @@
 """The FastAPI app: routes, error shapes, streaming and client-disconnect handling.
 
-The engine is built in a worker thread after the server starts listening (``/health`` and
-every API route answer 503 until it is ready) and runs its loop on its own thread
+``dllm serve`` builds the engine before it binds the port and hands it to ``build_app``;
+without one, ``build_app`` builds it in a worker thread once the app starts (``/health`` and
+every API route answer 503 until it is ready). The engine runs its loop on its own thread
 (``AsyncLLM``). A client that goes away aborts its request: a streaming response is cancelled
 by Starlette when the connection drops, and a non-streaming one is watched with
 ``request.is_disconnected()``."""
