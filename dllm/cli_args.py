@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 import types
 import typing
 from typing import Any
@@ -27,7 +29,61 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = EngineConfig.field_names()
+    if getattr(args, "trust_remote_code", False):
+        print("dllm: note: --trust-remote-code is not needed: dllm runs no code from "
+              "checkpoints (every architecture is implemented here)", file=sys.stderr)
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value, or an error that shows the expected form."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"{text[:100]!r} is not JSON; give a JSON object with the keys in double quotes, "
+            """e.g. '{"threshold": 0.9}'""") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text[:100]!r} is not a JSON object; give one, e.g. '{{\"threshold\": 0.9}}'")
+    return value
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(os.path.expanduser(path), "config.json"))
+
+
+def take_positional_model(args: argparse.Namespace, words: list[str],
+                          text_name: str | None) -> str | None:
+    """The vLLM habit ``dllm serve MODEL``: a positional model, the same as ``--model``.
+
+    ``serve`` and ``eval`` (``text_name`` None) take one positional, the model. ``generate``
+    and ``chat`` also take a prompt (``text_name``: what it is called): with two positionals
+    the first is the model and the second the prompt; with one, it is the model when it is a
+    checkpoint directory (it holds ``config.json``) and ``--model`` is not given, else the
+    prompt. Sets ``args.model`` and returns the prompt (``None``: none given)."""
+    limit = 1 if text_name is None else 2
+    if len(words) > limit:
+        what = "MODEL" if text_name is None else f"[MODEL] {text_name.upper()}"
+        raise ValueError(f"{len(words)} positional arguments, {words[limit][:40]!r} and after; "
+                         f"this command takes {what} (quote a {text_name or 'path'} that has "
+                         "spaces)")
+    model = text = None
+    if text_name is None:
+        model = words[0] if words else None
+    elif len(words) == 2:
+        model, text = words
+    elif len(words) == 1:
+        if args.model is None and is_checkpoint_dir(words[0]):
+            model = words[0]
+        else:
+            text = words[0]
+    if model is not None:
+        if args.model is not None and args.model != model:
+            raise ValueError(f"two models given: {model[:100]} and --model {args.model[:100]}; "
+                             "give one")
+        args.model = model
+    return text
 
 
 def _flag_kwargs(f: dataclasses.Field, annotation: Any) -> dict[str, Any]:
@@ -43,7 +99,7 @@ def _flag_kwargs(f: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     if typing.get_origin(value) is tuple:
         return {**kw, "type": typing.get_args(value)[0], "nargs": "+"}
     if typing.get_origin(value) is dict:
-        return {**kw, "type": json.loads}
+        return {**kw, "type": json_object}
     if value in (int, float):
         return {**kw, "type": value}
     if value is str:

@@ -12,7 +12,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
 TASKS = ("auto", "generate", "embed")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
+          "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,13 @@ class EngineConfig:
     max_prefill_tokens: int = field(default=4096, metadata={
         "help": "token budget of one prefill forward; longer prompts are chunked"})
     context_length: int | None = field(default=None, metadata={
+        "aliases": ("--max-model-len",),
         "help": "longest prompt + output (default: the model's)"})
     dtype: str = field(default="auto", metadata={
-        "choices": sorted(DTYPES), "help": "auto: bfloat16 on CUDA, float32 elsewhere"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+        "choices": sorted(DTYPES), "help": "auto: bfloat16 on CUDA, float32 elsewhere (half: "
+                                           "float16, float: float32)"})
+    device: str = field(default="auto", metadata={
+        "help": "auto (CUDA when there is a GPU, else the CPU), cpu, cuda, cuda:N"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "auto: FlashInfer on CUDA when it is installed, else SDPA"})
@@ -92,8 +95,15 @@ class EngineConfig:
         "flag": "--cuda-graph-bs",
         "help": "the batch sizes to capture (default: buckets 1, 2, 4, 8, 12, 16, 24, 32, … "
                 "up to --cuda-graph-max-bs)"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "the model name the API reports (default: the checkpoint folder's name)"})
+    served_model_name: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "the model name(s) the API answers to; the first is the one it reports "
+                "(default: the checkpoint folder's name)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a chat template (Jinja) file, or the template itself, used instead of the "
+                "checkpoint's (so a checkpoint without one can chat)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "accepted for vLLM compatibility and not needed: dllm runs no code from "
+                "checkpoints (every architecture is implemented here)"})
     tensor_parallel_size: int = field(default=1, metadata={
         "aliases": ("--tp", "--tp-size"),
         "help": "ranks that split every layer (one process each; CPU ranks talk over Gloo, "
@@ -137,6 +147,14 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr (node 0's HOST:PORT) is needed with nnodes > 1")
+        if isinstance(self.served_model_name, str):  # LLM(served_model_name="name")
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        if self.served_model_name is not None:
+            names = tuple(self.served_model_name)
+            if not names or any(not isinstance(n, str) or not n for n in names):
+                raise ValueError("served_model_name must be one or more non-empty names, got "
+                                 f"{self.served_model_name!r}")
+            object.__setattr__(self, "served_model_name", names)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -156,9 +174,29 @@ class EngineConfig:
         return {f.name for f in dataclasses.fields(cls)}
 
     def resolve_device(self) -> torch.device:
+        """The device to run on; a ``ValueError`` naming ``--device`` when this machine has
+        no such device (instead of a failure deep inside the first CUDA call)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"--device {self.device}: not a device name; use auto, cpu, "
+                             "cuda or cuda:N") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                build = ("a CPU-only build" if torch.version.cuda is None
+                         else f"built for CUDA {torch.version.cuda}, but no GPU is visible")
+                raise ValueError(f"--device {self.device}: no CUDA device here (torch "
+                                 f"{torch.__version__} is {build}); use --device cpu")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"--device {self.device}: this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                                 f"cuda:{torch.cuda.device_count() - 1}")
+        elif device.type != "cpu":
+            raise ValueError(f"--device {self.device}: dllm runs on CUDA GPUs and on the CPU "
+                             f"only ({device.type} is not supported); use --device cpu")
+        return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         dtype = DTYPES[self.dtype]

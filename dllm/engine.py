@@ -28,7 +28,7 @@ from dllm.runner.model_runner import ModelRunner, RunnerConfig
 from dllm.scheduler import Scheduler, SchedulerConfig
 from dllm.steps import register_inputs, step_specs
 from dllm.stop import StopChecker
-from dllm.tokenizer import load_tokenizer
+from dllm.tokenizer import load_tokenizer, read_chat_template
 
 __all__ = ["Engine", "Prompt", "embed_inputs"]
 
@@ -53,6 +53,8 @@ class Engine:
         self.dtype = cfg.resolve_dtype(self.device)
         path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.tokenizer or path)
+        if cfg.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(cfg.chat_template)
         self.info: ModelInfo = load_model_info(dataclasses.replace(cfg, model=path),
                                                self.tokenizer)
         self.task = resolve_task(self.config.task, self.info, path)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,7 +45,7 @@ def settings(block_size: int, thresholds: tuple[float, ...]) -> list[tuple[str, 
 
 def evaluate(llm, families: list[str], per_family: int, seed: int,
              thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
-             max_new_tokens: int = 64) -> list[SettingResult]:
+             max_new_tokens: int = 64, progress: bool = False) -> list[SettingResult]:
     from dllm.sampling_params import SamplingParams
 
     items = [(f, q, a) for f in families for q, a in tasks.generate(f, per_family, seed)]
@@ -52,7 +54,9 @@ def evaluate(llm, families: list[str], per_family: int, seed: int,
     for name, dllm in settings(llm.engine.block_size, thresholds):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, dllm=dllm)
         start = time.perf_counter()
-        outs = llm.chat(conversations, params)
+        if progress:
+            print(f"dllm eval: {name} ({len(conversations)} questions)", file=sys.stderr)
+        outs = llm.chat(conversations, params, use_tqdm=progress)
         seconds = time.perf_counter() - start
         hits: dict[str, list[bool]] = {f: [] for f in families}
         failures = []
@@ -97,6 +101,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="τ values of the threshold algorithm")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--output", help="write the results as JSON here")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -110,10 +116,18 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.per_family < 1:
         raise ValueError("--per-family must be at least 1")
     thresholds = tuple(float(t) for t in args.thresholds.split(",") if t.strip())
+    if args.output:  # checked before the model loads
+        if os.path.isdir(args.output):
+            raise ValueError(f"--output {args.output} is a directory; give the path of a JSON "
+                             "file")
+        parent = os.path.dirname(args.output) or "."
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"--output {args.output}: no such directory: {parent}")
     cfg = engine_config_from_args(args)
     llm = LLM(**{k: getattr(cfg, k) for k in cfg.field_names()})
     results = evaluate(llm, families, args.per_family, args.eval_seed, thresholds,
-                       args.max_new_tokens)
+                       args.max_new_tokens,
+                       progress=not args.no_progress and sys.stderr.isatty())
     print(f"model: {llm.engine.info.path} (block size {llm.engine.block_size}); "
           f"{args.per_family} questions per family, seed {args.eval_seed}")
     print(markdown_table(results, families))

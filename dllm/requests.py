@@ -24,6 +24,7 @@ from dllm.request import (
     Req,
 )
 from dllm.sampling_params import SamplingParams, check_engine_keys
+from dllm.tokenizer import check_chat_template
 
 Prompt = str | list[int] | list[dict[str, Any]]
 # The decoder of a diffusion family that names none (and of the non-diffusion ones, unused).
@@ -121,6 +122,7 @@ class RequestFactory:
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each chat message needs a string 'role' and 'content'")
+        check_chat_template(self.tokenizer)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)

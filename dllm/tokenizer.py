@@ -52,6 +52,29 @@ def check_tokenizer_files(path: str) -> None:
                      "(--tokenizer DIR; the engine argument tokenizer)")
 
 
+NO_CHAT_TEMPLATE = ("the model has no chat template; give one with --chat-template FILE (the "
+                    "engine argument chat_template: a Jinja file or the template itself), or "
+                    "send a plain prompt")
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: the text of a template file, or the value itself when it is a
+    Jinja template (it holds ``{{`` or ``{%``)."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value[:100]}: no such file, and not a Jinja template "
+                     "(one holds {{ ... }} or {% ... %})")
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(NO_CHAT_TEMPLATE)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of the checkpoint (or tokenizer directory) ``path``, offline."""
     check_tokenizer_files(path)

@@ -2,6 +2,6 @@
 
 import sys
 
-from dllm.server.launch import main
+from dllm.server.cli import main
 
-sys.exit(main())
+sys.exit(main(["serve", *sys.argv[1:]]))

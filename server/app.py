@@ -1,7 +1,8 @@
 """The FastAPI app: routes, error shapes, streaming and client-disconnect handling.
 
-The engine is built in a worker thread after the server starts listening (``/health`` and
-every API route answer 503 until it is ready) and runs its loop on its own thread
+``dllm serve`` builds the engine before it binds the port and hands it to ``build_app``;
+without one, ``build_app`` builds it in a worker thread once the app starts (``/health`` and
+every API route answer 503 until it is ready). The engine runs its loop on its own thread
 (``AsyncLLM``). A client that goes away aborts its request: a streaming response is cancelled
 by Starlette when the connection drops, and a non-streaming one is watched with
 ``request.is_disconnected()``."""
@@ -17,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,14 +34,16 @@ from dllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
     GenerateRequest,
+    TokenizeRequest,
     check_rid,
     not_ready,
     parse_json_object,
     validate,
 )
-from dllm.server.serving import Serving, shutting_down
+from dllm.server.serving import Serving, StatsLogger, shutting_down
 
 logger = logging.getLogger("dllm.server")
 DISCONNECT_POLL_S = 0.25
@@ -81,13 +85,30 @@ class ServerState:
                 self.on_load_error()
             return
         serving = Serving(self.llm, self.config.engine.served_model_name, self.metrics,
-                          self.config.limits)
+                          self.config.limits, self.config.strict_fields)
         self.openai, self.native = OpenAIServing(serving), NativeServing(serving)
         self.serving = serving
         if self.closing:
             serving.closing = True
-        logger.info("serving %s (%s) as %r", serving.model_path,
-                    self.llm.engine.info.architecture, serving.model_name)
+
+    def describe(self, url: str) -> str:
+        """What is served where (the server's ready line)."""
+        s = self.serving
+        if s is None:
+            return f"{url} (the model is still loading)"
+        names = ", ".join(repr(n) for n in s.model_names)
+        what = "embeddings at /v1/embeddings" if s.task == "embed" else \
+            "/v1/completions, /v1/chat/completions"
+        return (f"serving {s.model_path} ({self.llm.engine.info.architecture}) as {names} at "
+                f"{url}/v1 ({what}; /health, /metrics)")
+
+    async def log_stats(self) -> None:
+        """The periodic stats line (``--log-stats-interval``), once the model is ready."""
+        if not self.config.log_stats_interval:
+            return
+        while self.serving is None:
+            await asyncio.sleep(0.1)
+        await StatsLogger(self.serving, self.config.log_stats_interval).run()
 
     def ready(self) -> Serving:
         if self.closing:
@@ -122,10 +143,12 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(state.load())
+        stats = asyncio.create_task(state.log_stats())
         try:
             yield
         finally:
             loading.cancel()
+            stats.cancel()
             if state.llm is not None:
                 await asyncio.to_thread(state.llm.shutdown)
             if state.serving is not None:
@@ -142,6 +165,11 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
                            metrics=config.api_key_metrics)
+    if config.allowed_origins:  # outermost: a preflight is answered before any check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods),
+                           allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
     return app
 
 
@@ -160,12 +188,41 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                            s.kv_total_pages)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(s: Serving, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": s.created, "owned_by": "dllm",
+                "root": s.model_path, "max_model_len": s.context_length}
+
     @app.get("/v1/models")
     async def models() -> Response:
         s = state.ready()
-        return ASCIIJSONResponse({"object": "list", "data": [{
-            "id": s.model_name, "object": "model", "created": s.created, "owned_by": "dllm",
-            "root": s.model_path, "max_model_len": s.context_length}]})
+        return ASCIIJSONResponse({"object": "list",
+                                  "data": [model_card(s, n) for n in s.model_names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        s = state.ready()
+        s.check_model(model_id)
+        return ASCIIJSONResponse(model_card(s, model_id if model_id in s.model_names
+                                            else s.model_name))
+
+    @app.get("/version")
+    async def version() -> Response:
+        from dllm import __version__
+
+        return ASCIIJSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        s = state.ready()
+        req: TokenizeRequest = validate(TokenizeRequest, parse_json_object(await request.body()))
+        return ASCIIJSONResponse(await s.tokenize(req))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        s = state.ready()
+        req: DetokenizeRequest = validate(DetokenizeRequest,
+                                          parse_json_object(await request.body()))
+        return ASCIIJSONResponse(await s.detokenize(req))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

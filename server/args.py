@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,23 @@ class ServerConfig:
     shutdown_timeout: float = field(default=30.0, metadata={
         "help": "on SIGTERM or SIGINT: seconds the requests running may take to finish; "
                 "then the rest end with an error (503 / an error event and [DONE])"})
+    strict_fields: bool = field(default=False, metadata={
+        "help": "answer a request that has fields this server does not know (a typo such as "
+                "'temperture', or a field it does not implement such as min_p) with a 400 "
+                "naming them; without it they are ignored and logged at warning level"})
+    log_stats_interval: float = field(default=10.0, metadata={
+        "help": "seconds between the log lines of running and waiting requests, KV-cache "
+                "use and throughput, written only while there is work (0: none)"})
+    allowed_origins: tuple[str, ...] = field(default=(), metadata={
+        "help": "CORS: origins a browser page may call the API from, e.g. "
+                "http://localhost:3000, or * for any; also as a JSON list, vLLM's form "
+                "('[\"*\"]') (default: none, CORS off)"})
+    allowed_methods: tuple[str, ...] = field(default=("*",), metadata={
+        "help": "CORS: the methods allowed (with --allowed-origins)"})
+    allowed_headers: tuple[str, ...] = field(default=("*",), metadata={
+        "help": "CORS: the request headers allowed (with --allowed-origins)"})
+    allow_credentials: bool = field(default=False, metadata={
+        "help": "CORS: allow cookies and authorization headers (with --allowed-origins)"})
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -102,6 +120,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if not 0 <= self.log_stats_interval < float("inf"):
+            raise ValueError("log_stats_interval must be 0 (off) or a number of seconds, got "
+                             f"{self.log_stats_interval}")
 
 
 _NOT_FLAGS = ("engine", "limits")
@@ -117,11 +138,28 @@ def _add_fields(g: argparse._ArgumentGroup, cls: type) -> None:
             kw["choices"] = f.metadata["choices"]
         if isinstance(f.default, bool):
             kw["action"] = "store_true"
+        elif isinstance(f.default, tuple):
+            kw.update(nargs="+", type=_list_item)
         elif f.default is not None and not isinstance(f.default, str):
             kw["type"] = type(f.default)
         if kw.get("type") in (int, float) or "choices" in kw:
             kw["help"] += " (default: %(default)s)" if "default:" not in kw["help"] else ""
         g.add_argument(flag, **kw)
+
+
+def _list_item(text: str) -> list[str]:
+    """One value of a list flag: a plain value, or a JSON list of strings (vLLM's form)."""
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(
+                f"{text[:100]!r} is not a JSON list of strings; give values one by one "
+                """(--allowed-origins http://a http://b) or a JSON list ('["*"]')""")
+        return value
+    return [text]
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +177,12 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
 
 
 def server_config_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerConfig:
-    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in _NOT_FLAGS]
-    return ServerConfig(engine=engine, limits=limits_from_args(args),
-                        **{n: getattr(args, n) for n in names})
+    values = {}
+    for f in dataclasses.fields(ServerConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        value = getattr(args, f.name)
+        if isinstance(f.default, tuple) and value is not f.default:  # lists of items
+            value = tuple(v for item in value for v in item)
+        values[f.name] = value
+    return ServerConfig(engine=engine, limits=limits_from_args(args), **values)

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dllm.cli_args import engine_config_from_args
+from dllm.cli_args import engine_config_from_args, json_object, take_positional_model
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
@@ -47,7 +47,11 @@ class Job:
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="?", help="a prompt to complete (streamed to the terminal)")
+    p.add_argument("words", nargs="*", metavar="[MODEL] PROMPT",
+                   help="a prompt to complete (streamed to the terminal), after the model's "
+                        "directory if it is not given by --model: with two arguments the first "
+                        "is the model; with one, it is the model if it is a checkpoint "
+                        "directory (holds config.json), else the prompt")
     p.add_argument("--input", help="JSONL input: {prompt}, {messages} or OpenAI batch lines")
     p.add_argument("--output", help="JSONL output in the OpenAI batch output shape (appended; "
                                     "custom_ids already there are skipped)")
@@ -59,11 +63,15 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g.add_argument("--dllm", type=json.loads, default=None,
+    g.add_argument("--dllm", type=json_object, default=None,
                    help='per-request diffusion settings as JSON, e.g. \'{"threshold": 0.9}\'')
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if hasattr(args, "words"):
+        args.prompt = take_positional_model(args, args.words, "prompt")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.input or args.output:
         if not (args.input and args.output):
             raise ValueError("--input and --output go together")
@@ -88,14 +96,33 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     llm = AsyncLLM(engine=Engine(cfg))
     try:
+        context = llm.engine.context_length
+        if args.max_new_tokens is not None and args.max_new_tokens >= context:
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens} does not fit the context "
+                             f"length of {context} tokens (prompt + output; --max-model-len "
+                             "sets it, up to the model's)")
         api = OpenAIServing(Serving(llm, cfg.served_model_name))
         defaults = sampling_defaults(args)
         if args.input:
+            args.interrupt_note = (f"the lines finished are in {args.output}; the same command "
+                                   "again resumes (it skips their custom_ids)")
             return asyncio.run(run_file(api, args.input, args.output, defaults,
                                         max_in_flight=4 * cfg.max_running_requests))
+        if not args.chat and is_chat_only(llm.engine.info.path):
+            print("dllm: hint: this model was trained on chat messages only; add --chat (or "
+                  "use dllm chat) to have the prompt answered", file=sys.stderr)
         return asyncio.run(run_prompt(api, args.prompt, args.chat, defaults))
     finally:
         llm.shutdown()
+
+
+def is_chat_only(path: str) -> bool:
+    """The built-in models answer chat messages only (they never saw plain text)."""
+    from dllm.checkpoint import BUILTIN_MODEL_DIR
+
+    here = os.path.realpath(path)
+    return os.path.dirname(here) == os.path.dirname(os.path.realpath(BUILTIN_MODEL_DIR)) and \
+        os.path.basename(here).startswith("builtin")
 
 
 def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
@@ -232,7 +259,8 @@ async def run_file(api, input_path: str, output_path: str, defaults: dict[str, A
     gate = asyncio.Semaphore(max_in_flight)
     _end_with_newline(output_path)
     with open(output_path, "a", encoding="utf-8") as out, \
-            tqdm(total=len(todo), desc="generate", unit="req", file=sys.stderr) as bar:
+            tqdm(total=len(todo), desc="generate", unit="req", file=sys.stderr,
+                 disable=None) as bar:  # None: off when stderr is not a terminal
 
         def write(line: dict[str, Any]) -> None:
             out.write(json.dumps(line, ensure_ascii=False) + "\n")

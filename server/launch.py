@@ -1,5 +1,8 @@
 """Start the server: ``dllm serve --model DIR`` and ``python -m dllm.server --model DIR``.
 
+The model is loaded first and the port bound after, so a bad model ends the command with one
+line and nothing ever listened; once listening, one line says what is served where.
+
 On SIGTERM or SIGINT the server stops accepting connections, lets the requests running finish
 for up to ``--shutdown-timeout`` seconds, then ends the rest with an OpenAI-shaped error (a
 503 body, or an error event and ``[DONE]`` in a stream), and exits 0. A second SIGINT quits
@@ -16,10 +19,11 @@ from types import FrameType
 
 import uvicorn
 
+from dllm.async_llm import AsyncLLM
 from dllm.checkpoint import resolve_model_path
-from dllm.cli_args import add_engine_args, engine_config_from_args
+from dllm.cli_args import engine_config_from_args
 from dllm.server.app import ServerState, build_app
-from dllm.server.args import ServerConfig, add_server_args, server_config_from_args
+from dllm.server.args import ServerConfig, server_config_from_args
 from dllm.server.connections import RateLimitFilter, protocol_class
 
 logger = logging.getLogger("dllm.server")
@@ -39,6 +43,19 @@ class DllmServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.shutdown_timeout = shutdown_timeout
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            logger.info("ready: %s", self.state.describe(self.url()))
+
+    def url(self) -> str:
+        c = self.config
+        host = f"[{c.host}]" if ":" in c.host else c.host
+        port = c.port
+        if port == 0 and self.servers:  # the port the system picked
+            port = self.servers[0].sockets[0].getsockname()[1]
+        return f"http://{host}:{port}"
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -72,10 +89,14 @@ def _raise_fd_limit(connections: int) -> int:
 
 
 def run_server(config: ServerConfig) -> int:
-    """Serve until interrupted; 1 if the model failed to load."""
-    resolve_model_path(config.engine.model)  # a wrong path fails here, before binding a port
+    """Load the model, then serve until interrupted. A model that does not load raises here,
+    before any port is bound."""
+    resolve_model_path(config.engine.model)  # a wrong path fails at once
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dllm.engine import Engine
+
+    llm = AsyncLLM(engine=Engine(config.engine))
     limiter = RateLimitFilter()
     for name in ("dllm.server", "uvicorn.error", "asyncio"):
         logging.getLogger(name).addFilter(limiter)
@@ -83,7 +104,7 @@ def run_server(config: ServerConfig) -> int:
     # The event loop (every connection, /health) waits at most this long for the engine
     # thread's Python code to hand over the interpreter lock (the default is 5 ms).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    app = build_app(config)
+    app = build_app(config, llm)
     state: ServerState = app.state.dllm
     server = DllmServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
@@ -109,13 +130,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dllm.server",
-                                     description="Serve a diffusion language model over HTTP.")
-    add_engine_args(parser)
-    add_server_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return serve_from_args(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"dllm: error: {exc}", file=sys.stderr)
-        return 2
+    """``python -m dllm.server ARGS``: the same as ``dllm serve ARGS``."""
+    from dllm.server.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])

@@ -10,6 +10,8 @@ which), and with ``stream_options.include_usage`` a last chunk with the usage (a
 from __future__ import annotations
 
 import base64
+import dataclasses
+import logging
 import struct
 import time
 import uuid
@@ -18,6 +20,7 @@ from typing import Any
 
 from dllm.engine import embed_inputs
 from dllm.outputs import RequestOutput
+from dllm.sampling_params import SamplingParams
 from dllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -26,6 +29,7 @@ from dllm.server.protocol import (
     EmbeddingRequest,
     SamplingFields,
     bad_request,
+    clip,
     reject_unsupported,
     validate,
 )
@@ -33,6 +37,26 @@ from dllm.server.serving import RunningGroup, Serving, shutting_down
 
 Chunk = dict[str, Any]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+logger = logging.getLogger("dllm.server")
+MAX_NAMED_FIELDS = 10  # unknown fields named in one log line or error
+_MASK63 = 2**63 - 1
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample ``j`` of a request with ``n > 1``: sample 0 keeps the request's
+    seed, the others get distinct seeds mixed from it (splitmix64); without a seed every
+    sample draws its own."""
+    if seed is None or j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & _MASK63
+
+
+def unknown_fields(req: Any) -> list[str]:
+    """The top-level fields of a request that its model does not declare (typos included)."""
+    return sorted(req.model_extra or {})
 
 
 class OpenAIServing:
@@ -48,10 +72,13 @@ class OpenAIServing:
         prompts = completion_prompts(req.prompt)
         gid = request_id or f"cmpl-{uuid.uuid4().hex}"
         group = await self._start(req, gid, prompts, req.max_tokens, "max_tokens", arrival)
+        n = len(prompts) * (req.n or 1)
+        echo = [self._echo_text(p) for p in prompts for _ in range(req.n or 1)] \
+            if req.echo else None
         if req.stream:
-            return self._stream(group, "text_completion", len(prompts), req.include_usage,
-                                req.continuous_usage)
-        return self._full(await collect(group, len(prompts)), gid, "text_completion")
+            return self._stream(group, "text_completion", n, req.include_usage,
+                                req.continuous_usage, echo)
+        return self._full(await collect(group, n), gid, "text_completion", echo)
 
     # ---- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, body: dict[str, Any] | ChatCompletionRequest,
@@ -65,10 +92,11 @@ class OpenAIServing:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         group = await self._start(req, gid, [messages], max_tokens, name, arrival)
+        n = req.n or 1
         if req.stream:
-            return self._stream(group, "chat.completion.chunk", 1, req.include_usage,
+            return self._stream(group, "chat.completion.chunk", n, req.include_usage,
                                 req.continuous_usage)
-        return self._full(await collect(group, 1), gid, "chat.completion")
+        return self._full(await collect(group, n), gid, "chat.completion")
 
     # ---- /v1/embeddings ------------------------------------------------------------------
     async def embeddings(self, body: dict[str, Any] | EmbeddingRequest) -> Chunk:
@@ -112,33 +140,69 @@ class OpenAIServing:
             return exc.status, rid, exc.to_dict()
 
     # ---- shared --------------------------------------------------------------------------
+    def check_fields(self, req: Any, gid: str) -> None:
+        """Fields the request's model does not declare: a 400 naming them under
+        ``--strict-fields``, else one warning for the request (vLLM's behaviour)."""
+        unknown = unknown_fields(req)
+        if not unknown:
+            return
+        names = ", ".join(repr(clip(n, 40)) for n in unknown[:MAX_NAMED_FIELDS])
+        if len(unknown) > MAX_NAMED_FIELDS:
+            names += f" and {len(unknown) - MAX_NAMED_FIELDS} more"
+        if self.serving.strict_fields:
+            raise bad_request(f"unknown field{'s' if len(unknown) > 1 else ''} {names} (this "
+                              "server is started with --strict-fields)", clip(unknown[0], 40))
+        logger.warning("request %s: ignored unknown field%s %s", gid,
+                       "s" if len(unknown) > 1 else "", names.encode("ascii", "replace")
+                       .decode())
+
     async def _start(self, req: SamplingFields, gid: str, prompts: list, max_tokens: int | None,
                      max_name: str, arrival: float) -> RunningGroup:
+        self.check_fields(req, gid)
         reject_unsupported(req)
         self.serving.check_model(req.model)
+        if req.n is not None and req.n < 1:
+            raise bad_request(f"n must be at least 1, got {req.n}", "n")
+        n = req.n or 1
+        if len(prompts) * n > self.serving.limits.max_prompts_per_request:
+            raise bad_request(f"n: {len(prompts)} prompt(s) x n={n} samples in one request; this "
+                              f"server takes at most {self.serving.limits.max_prompts_per_request}",
+                              "n")
         params = self.serving.sampling_params({
             "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
             "ignore_eos": req.ignore_eos, "seed": req.seed, "dllm": req.dllm,
         }, max_name)
-        reqs = await self.serving.make(gid, prompts, params, max_tokens is not None, max_name)
+        each: list[SamplingParams] = [dataclasses.replace(params, seed=choice_seed(params.seed, j))
+                                      for j in range(n)]
+        reqs = await self.serving.make(gid, [p for p in prompts for _ in range(n)],
+                                       [sp for _ in prompts for sp in each],
+                                       max_tokens is not None, max_name)
         return await self.serving.start(gid, reqs, arrival, max_name)
 
-    def _full(self, outs: list[RequestOutput], gid: str, obj: str) -> Chunk:
+    def _echo_text(self, prompt: Any) -> str:
+        """``echo``: the prompt as text (token ids decoded)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.serving.llm.engine.tokenizer.decode(prompt)
+
+    def _full(self, outs: list[RequestOutput], gid: str, obj: str,
+              echo: list[str] | None = None) -> Chunk:
         choices = []
         for i, out in enumerate(outs):
             choice: Chunk = {"index": i}
             if obj == "chat.completion":
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
-                choice["text"] = out.text
+                choice["text"] = (echo[i] if echo else "") + out.text
             choice.update(logprobs=None, finish_reason=out.finish_reason)
             choices.append(choice)
         return {"id": gid, "object": obj, "created": int(time.time()),
                 "model": self.serving.model_name, "choices": choices, "usage": usage(outs)}
 
     async def _stream(self, group: RunningGroup, obj: str, n: int, include_usage: bool,
-                      continuous_usage: bool = False) -> AsyncIterator[Chunk]:
+                      continuous_usage: bool = False, echo: list[str] | None = None
+                      ) -> AsyncIterator[Chunk]:
         created = int(time.time())
         chat = obj == "chat.completion.chunk"
         finals: list[RequestOutput | None] = [None] * n
@@ -156,6 +220,9 @@ class OpenAIServing:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(n)])
+            elif echo:
+                yield chunk([{"index": i, "text": echo[i], "logprobs": None,
+                              "finish_reason": None} for i in range(n)])
             async for i, part in group:
                 out = part.output
                 if out is not None and out.finish_reason == "error":

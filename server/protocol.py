@@ -2,7 +2,8 @@
 error type every route answers with (DESIGN §10).
 
 Models are strict (no ``"5"`` for an integer) and allow unknown fields, so OpenAI clients that
-send fields we do not use keep working; fields we cannot honour (``n > 1``, ``logprobs``, ...)
+send fields we do not use keep working (the OpenAI routes log them, or refuse them under
+``--strict-fields``); fields we cannot honour (``best_of`` other than ``n``, penalties, ...)
 are refused with a 400 by ``reject_unsupported``."""
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ class SamplingFields(_Sampling):
     stream_options: StreamOptions | None = None
     # OpenAI fields accepted only at their no-op value (see ``reject_unsupported``).
     n: int | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, unused
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
@@ -237,6 +239,21 @@ class GenerateRequest(_Model):
     return_logprob: bool = False
 
 
+class TokenizeRequest(_Model):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` (the chat template applied)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
 class AbortRequest(_Model):
     rid: str
 
@@ -246,12 +263,13 @@ def _unsupported(req: _Model) -> tuple[str, str] | None:
     """(field, reason) of the first field set to a value this server cannot honour."""
     get = lambda name: getattr(req, name, None)  # noqa: E731
     checks: list[tuple[str, bool, str]] = [
-        ("n", get("n") not in (None, 1), "only n=1 is supported; send several requests"),
-        ("best_of", get("best_of") not in (None, 1), "only best_of=1 is supported"),
+        ("best_of", get("best_of") not in (None, 1, get("n")),
+         "best_of other than n is not supported"),
         ("logprobs", get("logprobs") not in (None, False), "logprobs are not supported"),
         ("top_logprobs", get("top_logprobs") is not None, "logprobs are not supported"),
         ("return_logprob", bool(get("return_logprob")), "logprobs are not supported"),
-        ("echo", bool(get("echo")), "echo is not supported"),
+        ("echo", bool(get("echo")) and get("logprobs") is not None,
+         "echo with logprobs (the prompt's log probabilities) is not supported"),
         ("suffix", bool(get("suffix")), "suffix is not supported"),
         ("presence_penalty", bool(get("presence_penalty")), "penalties are not supported"),
         ("frequency_penalty", bool(get("frequency_penalty")), "penalties are not supported"),

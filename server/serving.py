@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -29,7 +30,9 @@ from dllm.sampling_params import DLLM_KEYS, SamplingParams
 from dllm.server.args import Limits
 from dllm.server.metrics import ServerMetrics
 from dllm.server.protocol import APIError, bad_request, clip
+from dllm.tokenizer import check_chat_template
 
+logger = logging.getLogger("dllm.server")
 DEFAULT_MAX_TOKENS = SamplingParams().max_new_tokens  # when the request gives none
 _FIELDS = {"temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "seed",
            "prompt"}
@@ -74,12 +77,17 @@ class _Group:
 class Serving:
     """One served model: the engine handle, its public name, and the requests in flight."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str | None = None,
-                 metrics: ServerMetrics | None = None, limits: Limits | None = None):
+    def __init__(self, llm: AsyncLLM, model_name: str | Sequence[str] | None = None,
+                 metrics: ServerMetrics | None = None, limits: Limits | None = None,
+                 strict_fields: bool = False):
         engine = llm.engine
         self.llm = llm
         self.model_path: str = engine.info.path
-        self.model_name = model_name or default_model_name(self.model_path)
+        names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+        # Every name is accepted in requests; the first is the one responses report.
+        self.model_names: list[str] = names or [default_model_name(self.model_path)]
+        self.model_name = self.model_names[0]
+        self.strict_fields = strict_fields
         self.task: str = engine.task  # "generate" or "embed"
         self.context_length: int = engine.context_length
         self.vocab_size: int = engine.info.vocab_size
@@ -89,6 +97,8 @@ class Serving:
         kv_tokens = engine.kv_pool.num_usable_pages * engine.kv_pool.page_size
         self.max_queued_tokens = self.limits.max_queued_tokens or 4 * kv_tokens
         self.queued_tokens = 0
+        self.prompt_tokens_done = 0  # prompts of requests that produced a first block
+        self.generated_tokens = 0  # committed output tokens (the throughput log line)
         self.closing = False  # shutting down: no new requests
         self.ending = False  # the shutdown's grace is over: everything ends now
         self._groups: dict[str, _Group] = {}  # client-visible id -> its requests
@@ -103,14 +113,17 @@ class Serving:
 
     # ---- model names ---------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is the served name or the checkpoint path (or is absent)."""
-        if name is None or name == self.model_name:
-            return
-        if os.path.abspath(os.path.expanduser(name)) == os.path.abspath(self.model_path):
+        """404 unless ``name`` is a served name or the checkpoint path (or is absent)."""
+        if name is None or self.serves(name):
             return
         raise APIError(404, f"the model {clip(name)!r} does not exist; this server serves "
-                       f"{self.model_name!r}", "invalid_request_error", "model",
-                       "model_not_found")
+                       f"{', '.join(repr(n) for n in self.model_names)}",
+                       "invalid_request_error", "model", "model_not_found")
+
+    def serves(self, name: str) -> bool:
+        if name in self.model_names:
+            return True
+        return os.path.abspath(os.path.expanduser(name)) == os.path.abspath(self.model_path)
 
     # ---- building requests ---------------------------------------------------------------
     def sampling_params(self, fields: dict[str, Any], max_name: str) -> SamplingParams:
@@ -151,10 +164,13 @@ class Serving:
                 f"dllm: the algorithm {name!r} does not use {', '.join(ignored)}; it reads "
                 f"{', '.join(sorted(algorithm.defaults)) or 'no keys'}", "dllm")
 
-    async def make(self, gid: str, prompts: Sequence[Prompt], params: SamplingParams,
-                   explicit_max: bool, max_name: str = "max_tokens") -> list[Req]:
+    async def make(self, gid: str, prompts: Sequence[Prompt],
+                   params: SamplingParams | Sequence[SamplingParams], explicit_max: bool,
+                   max_name: str = "max_tokens") -> list[Req]:
         """Validate every prompt into an engine request (rid ``gid``, or ``gid-i`` for a list
-        of prompts) and reserve ``gid`` for ``abort``. Raises ``APIError`` (400, 429, 503)."""
+        of prompts; ``params`` one for all or one each) and reserve ``gid`` for ``abort``.
+        Raises ``APIError`` (400, 429, 503)."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if self.task != "generate":
             raise bad_request(f"the model {self.model_name!r} is served for embeddings "
                               "(task 'embed'); use /v1/embeddings")
@@ -175,8 +191,9 @@ class Serving:
         try:
             loop = asyncio.get_running_loop()
             reqs = list(await asyncio.gather(*(
-                loop.run_in_executor(self._pool, self._make_one, p, params, rid, explicit_max,
-                                     max_name) for p, rid in zip(prompts, rids, strict=True))))
+                loop.run_in_executor(self._pool, self._make_one, p, sp, rid, explicit_max,
+                                     max_name)
+                for p, sp, rid in zip(prompts, each, rids, strict=True))))
             tokens = sum(r.prompt_len + r.params.max_new_tokens for r in reqs)
             if self.queued_tokens + tokens > self.max_queued_tokens:
                 raise queue_full(self.queued_tokens, self.max_queued_tokens)
@@ -203,6 +220,7 @@ class Serving:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError("each chat message needs a string 'role' and 'content'")
             self._check_chars(sum(len(m["content"]) for m in prompt))
+            check_chat_template(self._tokenizer())
             text = self._tokenizer().apply_chat_template(prompt, tokenize=False,
                                                           add_generation_prompt=True)
         elif isinstance(prompt, str):
@@ -216,6 +234,53 @@ class Serving:
         if len(text) > COUNT_PIECE_CHARS:
             self._count_pieces(text, tok)
         return tok.encode(text, add_special_tokens=False)
+
+    # ---- /tokenize, /detokenize ----------------------------------------------------------
+    async def tokenize(self, req: Any) -> dict[str, Any]:
+        """``/tokenize``: the prompt's ids as a generation request would tokenize them."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give either prompt or messages", "prompt")
+        prompt: Prompt
+        if req.messages is not None:
+            prompt = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                       else "".join(p.text or "" for p in m.content or [])}
+                      for m in req.messages]
+        else:
+            prompt = req.prompt
+
+        def run() -> tuple[list[int], list[str] | None]:
+            ids = self.prompt_ids(prompt)
+            if req.add_special_tokens and isinstance(prompt, str):
+                ids = self._tokenizer().encode(prompt, add_special_tokens=True)
+            strs = (self._tokenizer().convert_ids_to_tokens(ids) if req.return_token_strs
+                    else None)
+            return ids, strs
+
+        try:
+            ids, strs = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages" if req.messages is not None
+                              else "prompt") from None
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.context_length,
+                               "tokens": ids}
+        if strs is not None:
+            out["token_strs"] = strs
+        return out
+
+    async def detokenize(self, req: Any) -> dict[str, Any]:
+        """``/detokenize``: the text of token ids (each inside the vocabulary)."""
+        self.check_model(req.model)
+        if len(req.tokens) > self.context_length:
+            raise bad_request(f"tokens: {len(req.tokens)} ids, more than the context length of "
+                              f"{self.context_length}", "tokens")
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"tokens: token id {bad} is outside the vocabulary of "
+                              f"{self.vocab_size} tokens", "tokens")
+        text = await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: self._tokenizer().decode(req.tokens))
+        return {"prompt": text}
 
     def _check_chars(self, n: int) -> None:
         if n > self.max_prompt_chars:
@@ -302,11 +367,18 @@ class Serving:
         try:
             async with aclosing(stream):
                 async for chunk in stream:
-                    if m is not None and seen is None:
-                        m.on_first_chunk(time.monotonic() - arrival)
+                    if seen is None:
+                        self.prompt_tokens_done += req.prompt_len
+                        if m is not None:
+                            m.on_first_chunk(time.monotonic() - arrival)
+                    self.generated_tokens += len(chunk.delta_token_ids)
                     seen = chunk
-                    if chunk.finished and m is not None:
-                        m.on_finish(chunk.output, time.monotonic() - arrival)
+                    if chunk.finished:
+                        if m is not None:
+                            m.on_finish(chunk.output, time.monotonic() - arrival)
+                        if chunk.output is not None:
+                            logger.info("%s", access_line(chunk.output,
+                                                          time.monotonic() - arrival))
                     yield chunk
         finally:
             if m is not None and not stream.rejected and not (seen and seen.finished):
@@ -424,6 +496,48 @@ async def _merge(streams: list[AsyncIterator[StreamChunk]]
         for t in tasks:
             t.cancel()  # a cancelled stream aborts its request (AsyncLLM.generate_stream)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def access_line(out: Any, seconds: float) -> str:
+    """The info-level line logged when a request ends."""
+    n = out.completion_tokens
+    line = (f"request {out.rid}: {out.prompt_tokens} prompt + {n} output tokens, "
+            f"{out.num_forward_passes} forwards ({out.tokens_per_forward:.2f} tokens/forward), "
+            f"{seconds:.3f} s, {out.finish_reason}")
+    return line + (f" ({clip(out.error)})" if out.error else "")
+
+
+class StatsLogger:
+    """Every ``interval`` seconds while there is work, one info line: requests running and
+    waiting, KV-cache use, and the prompt and output tokens per second since the last line
+    (read from counters the engine thread and the routes keep; no engine lock)."""
+
+    def __init__(self, serving: Serving, interval: float):
+        self.serving = serving
+        self.interval = interval
+        self._last = (time.monotonic(), serving.prompt_tokens_done, serving.generated_tokens)
+
+    def line(self) -> str | None:
+        """The line for now, or None when nothing ran or waited since the last one."""
+        s = self.serving
+        stats = s.llm.stats
+        now = (time.monotonic(), s.prompt_tokens_done, s.generated_tokens)
+        then, self._last = self._last, now
+        if not (stats.running or stats.waiting or now[1] != then[1] or now[2] != then[2]):
+            return None
+        dt = max(now[0] - then[0], 1e-9)
+        total = max(stats.kv_total_pages, 1)
+        return (f"running {stats.running}, waiting {stats.waiting}, KV cache "
+                f"{100 * stats.kv_used_pages / total:.1f}% ({stats.kv_used_pages}/"
+                f"{stats.kv_total_pages} pages), {(now[2] - then[2]) / dt:.1f} output "
+                f"tokens/s, {(now[1] - then[1]) / dt:.1f} prompt tokens/s")
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            line = self.line()
+            if line is not None:
+                logger.info("%s", line)
 
 
 def default_model_name(path: str) -> str:

@@ -12,13 +12,13 @@ from dllm.cli_args import engine_config_from_args
 from dllm.config import EngineConfig
 from dllm.server.cli import build_parser
 
-DTYPES = ["auto", "bf16", "bfloat16", "float16", "float32", "fp16", "fp32"]
+DTYPES = ["auto", "bf16", "bfloat16", "float", "float16", "float32", "fp16", "fp32", "half"]
 # flag: (dest, default, type, choices, nargs, const) -- the hand-written parser's, exactly
 ENGINE_FLAGS = {
     "--model": ("model", None, None, None, None, None),
     "--tokenizer": ("tokenizer", None, None, None, None, None),
     "--algorithm": ("algorithm", None, None, None, None, None),
-    "--algorithm-config": ("algorithm_config", {}, "loads", None, None, None),
+    "--algorithm-config": ("algorithm_config", {}, "json_object", None, None, None),
     "--block-size": ("block_size", None, "int", None, None, None),
     "--mask-token-id": ("mask_token_id", None, "int", None, None, None),
     "--max-running-requests": ("max_running_requests", 64, "int", None, None, None),
@@ -32,7 +32,9 @@ ENGINE_FLAGS = {
     "--attention-backend": ("attention_backend", "auto", None, ["auto", "sdpa", "flashinfer"],
                             None, None),
     "--seed": ("seed", 0, "int", None, None, None),
-    "--served-model-name": ("served_model_name", None, None, None, None, None),
+    "--served-model-name": ("served_model_name", None, "str", None, "+", None),
+    "--chat-template": ("chat_template", None, None, None, None, None),
+    "--trust-remote-code": ("trust_remote_code", False, None, None, 0, True),
     "--task": ("task", "auto", None, ["auto", "generate", "embed"], None, None),
     "--load-format": ("load_format", "safetensors", None, ["safetensors", "dummy"], None, None),
     "--disable-cuda-graph": ("disable_cuda_graph", False, None, None, 0, True),
@@ -45,7 +47,8 @@ ENGINE_FLAGS = {
     "--dist-init-addr": ("dist_init_addr", None, None, None, None, None),
 }
 # Other spellings users bring from vLLM and SGLang.
-ENGINE_ALIASES = {"--tensor-parallel-size": ["--tp", "--tp-size"]}
+ENGINE_ALIASES = {"--context-length": ["--max-model-len"],
+                  "--tensor-parallel-size": ["--tp", "--tp-size"]}
 COMMANDS = ("generate", "serve", "chat", "eval")
 
 
@@ -95,4 +98,9 @@ def test_a_bad_flag_value_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["chat", *argv])
     assert exc.value.code == 2
-    assert f"argument {argv[0]}: invalid" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}: " in err and len(err.strip().splitlines()) == 1
+    if argv[0] == "--algorithm-config":
+        assert "is not JSON" in err and """'{"threshold": 0.9}'""" in err
+    else:
+        assert f"argument {argv[0]}: invalid" in err

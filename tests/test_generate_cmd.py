@@ -102,7 +102,7 @@ def test_bad_lines_are_reported_and_the_rest_go_on(sdar_dir, tmp_path):
         {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
         {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
         {"custom_id": "unknown-model", "prompt": "hi", "model": "other"},
-        {"custom_id": "n2", "prompt": "hi", "n": 2},
+        {"custom_id": "n0", "prompt": "hi", "n": 0},
         ["not", "an", "object"],
         {"neither": "prompt nor messages"},
         {"custom_id": "good", "prompt": "duplicate id"},
@@ -113,7 +113,7 @@ def test_bad_lines_are_reported_and_the_rest_go_on(sdar_dir, tmp_path):
     rows = {r["custom_id"]: r for r in read_out(out)}
     assert rows["good"]["error"] is None and rows["good-2"]["error"] is None
     for cid, status in [("too-long", 400), ("bad-type", 400), ("bad-temp", 400),
-                        ("unknown-model", 404), ("n2", 400)]:
+                        ("unknown-model", 404), ("n0", 400)]:
         r = rows[cid]
         assert r["response"]["status_code"] == status, r
         assert r["response"]["body"]["error"]["message"] == r["error"]["message"]

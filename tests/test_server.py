@@ -111,7 +111,9 @@ def servers(long_sdar_dir, tmp_path_factory):
             tmp_path_factory.mktemp("server-logs"),
             (long_sdar_dir, "plain", ("--num-kv-pages", "2048")),
             (long_sdar_dir, "keyed", ("--api-key", API_KEY, "--served-model-name", "keyed-model",
-                                      "--num-kv-pages", "256"))) as (plain, keyed):
+                                      "other-name", "--num-kv-pages", "256", "--strict-fields",
+                                      "--allowed-origins", "http://example.com"))
+    ) as (plain, keyed):
         yield plain, keyed
 
 
@@ -342,7 +344,8 @@ ERRORS = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 65}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
     ("/v1/completions", [1, 2, 3], 400, None),
@@ -609,3 +612,65 @@ def test_not_ready_is_503(long_sdar_dir):
 
     for r in asyncio.run(run()):
         assert_error(r, 503)
+
+
+# ---- the OpenAI fields a newcomer brings (issue 26) ----------------------------------------
+def test_openai_client_n_echo_models_retrieve_and_unknown_fields(client, server):
+    name = client.models.list().data[0].id
+    two = client.completions.create(model=name, prompt="Diffusion", max_tokens=6, n=2,
+                                    temperature=1.0, seed=7, echo=True)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.text.startswith("Diffusion") for c in two.choices)
+    assert two.usage.completion_tokens == 12 and two.usage.prompt_tokens % 2 == 0  # 2 x 6
+    again = client.completions.create(model=name, prompt="Diffusion", max_tokens=6, n=2,
+                                      temperature=1.0, seed=7)
+    # The same seed gives the same samples; the two samples have distinct seeds.
+    assert [c.text for c in again.choices] == [c.text[len("Diffusion"):] for c in two.choices]
+    one = client.completions.create(model=name, prompt="Diffusion", max_tokens=6,
+                                    temperature=1.0, seed=7)
+    assert one.choices[0].text == again.choices[0].text
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    card = client.models.retrieve(client.models.list().data[0].id)
+    assert card.id == client.models.list().data[0].id and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    r = client.completions.with_raw_response.create(
+        model=name, prompt="hi", max_tokens=2, extra_body={"temperture": 5, "min_p": 0.1},
+        extra_headers={"X-Request-Id": "typo-request"})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while "typo-request" not in server.logs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    warned = [ln for ln in server.logs().splitlines() if "typo-request" in ln]
+    assert len(warned) == 1 and "WARNING" in warned[0], warned
+    assert "ignored unknown fields 'min_p', 'temperture'" in warned[0]
+
+
+def test_strict_fields_names_served_names_and_cors(keyed):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=keyed.url, timeout=60, headers=auth) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperture": 1})
+        assert_error(r, 400, "temperture")
+        assert "unknown field 'temperture'" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"model": "other-name", "prompt": "hi",
+                                             "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["model"] == "keyed-model"
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["keyed-model",
+                                                                        "other-name"]
+        assert c.get("/v1/models/other-name").json()["id"] == "other-name"
+        tok = c.post("/tokenize", json={"prompt": "hello"}).json()
+        assert tok["count"] == len(tok["tokens"]) > 0
+        assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {
+            "prompt": "hello"}
+        assert_error(c.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+        assert c.get("/version").json()["version"]
+    # CORS: a preflight from the allowed origin is answered before the key is checked.
+    pre = httpx.options(keyed.url + "/v1/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200
+    assert pre.headers["access-control-allow-origin"] == "http://example.com"
+    other = httpx.options(keyed.url + "/v1/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
