@@ -28,7 +28,7 @@ from dllm.runner.model_runner import ModelRunner, RunnerConfig
 from dllm.scheduler import Scheduler, SchedulerConfig
 from dllm.steps import register_inputs, step_specs
 from dllm.stop import StopChecker
-from dllm.tokenizer import load_tokenizer, read_chat_template
+from dllm.tokenizer import load_tokenizer
 
 __all__ = ["Engine", "Prompt", "embed_inputs"]
 
@@ -52,9 +52,7 @@ class Engine:
         self.ranks = ranks if ranks is not None else launch(cfg, self.device)
         self.dtype = cfg.resolve_dtype(self.device)
         path = resolve_model_path(cfg.model)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or path)
-        if cfg.chat_template is not None:
-            self.tokenizer.chat_template = read_chat_template(cfg.chat_template)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or path, cfg.chat_template)
         self.info: ModelInfo = load_model_info(dataclasses.replace(cfg, model=path),
                                                self.tokenizer)
         self.task = resolve_task(self.config.task, self.info, path)
@@ -109,11 +107,8 @@ class Engine:
         if self.task == "embed":
             return EmbeddingScheduler(*args, pooling=PoolingConfig.from_checkpoint(path))
         if spec.recurrent_state and spec.kind == "full_diffusion":
-            raise NotImplementedError(
-                f"{self.info.architecture}: full-attention diffusion over a recurrent state is "
-                "not served (every step would re-run the whole canvas through the SSM; no "
-                "full-attention hybrid model exists); hybrids are served autoregressively or "
-                "by block diffusion")
+            raise NotImplementedError(f"{self.info.architecture}: full-attention diffusion "
+                                      "over a recurrent state is not served (no such model)")
         if spec.kind == "causal_lm":
             return AutoregressiveScheduler(*args)
         if spec.kind == "block_diffusion":

@@ -75,8 +75,16 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
         raise ValueError(NO_CHAT_TEMPLATE)
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of the checkpoint (or tokenizer directory) ``path``, offline."""
+def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of the checkpoint (or tokenizer directory) ``path``, offline;
+    ``chat_template`` (``--chat-template``: a file or the template) replaces its own."""
+    tok = _load_tokenizer(path)
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     check_tokenizer_files(path)
     name = _tokenizer_config(path).get("tokenizer_class")
     if name in EQUIVALENT_CLASSES:
