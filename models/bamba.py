@@ -81,10 +81,3 @@ class BambaForCausalLM(HybridLM):
         super().__init__(config)
         self.model = BambaModel(config, self.mamba_dims)
         self.make_head(config.get_int("vocab_size"), config.get_int("hidden_size"))
-
-    def embedding(self) -> VocabEmbedding:
-        return self.model.embed_tokens
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: StateBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)

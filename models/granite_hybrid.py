@@ -152,10 +152,3 @@ class GraniteMoeHybridForCausalLM(HybridLM):
         self.logits_scaling = config.get_float("logits_scaling", 1.0)
         self.model = GraniteMoeHybridModel(config, self.mamba_dims)
         self.make_head(config.get_int("vocab_size"), config.get_int("hidden_size"))
-
-    def embedding(self) -> VocabEmbedding:
-        return self.model.embed_tokens
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: StateBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)

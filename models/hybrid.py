@@ -73,7 +73,13 @@ class HybridLM(UsesOps, nn.Module):
         self.lm_head = None if self.tie_word_embeddings else LMHead(vocab_size, hidden_size)
 
     def embedding(self) -> VocabEmbedding:
-        raise NotImplementedError
+        """The token embedding (the tied head); ``model.embed_tokens`` by default (HF's
+        layout: Granite-H, Bamba), ``backbone.embeddings`` in the ``backbone`` families."""
+        return self.model.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: StateBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
 
     @property
     def weight_rules(self) -> tuple[WeightRule, ...]:
