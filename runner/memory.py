@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -79,15 +82,14 @@ class TokenToKVPool:
         self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
 
     def _buffer(self, *shape: int) -> torch.Tensor:
-        """One layer's K or V. Only the padding page must hold zeros (padded rows read it):
-        every other slot is written before it is read. On the CPU the rest stays unwritten,
-        so the operating system maps its memory only when a request first uses it (a
-        2 GiB default pool costs what is in use, not 2 GiB up front)."""
+        """One layer's K or V, zeros. On the CPU the zeros come from ``calloc`` (through
+        numpy), whose pages the operating system maps only when a request first writes them:
+        a 2 GiB default pool costs what is in use, not 2 GiB up front."""
         if self.device.type != "cpu":
             return torch.zeros(*shape, dtype=self.dtype, device=self.device)
-        buf = torch.empty(*shape, dtype=self.dtype)
-        buf[: self.page_size].zero_()
-        return buf
+        count = math.prod(shape)
+        raw = np.zeros(count * self.dtype.itemsize, dtype=np.uint8)  # calloc: lazily mapped
+        return torch.from_numpy(raw).view(self.dtype).view(*shape)
 
     @property
     def num_usable_pages(self) -> int:
