@@ -114,3 +114,13 @@ def _strip_optional(annotation: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return annotation
+
+
+def check_output_path(path: str, what: str) -> None:
+    """Refuse an output path before the model loads: a directory, or one in a directory that
+    does not exist. ``what`` says what the file should be (e.g. "a JSON file")."""
+    if os.path.isdir(path):
+        raise ValueError(f"--output {path} is a directory; give the path of {what}")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"--output {path}: no such directory: {parent}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -106,7 +105,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from dllm.cli_args import engine_config_from_args
+    from dllm.cli_args import check_output_path, engine_config_from_args
     from dllm.llm import LLM
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -117,12 +116,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError("--per-family must be at least 1")
     thresholds = tuple(float(t) for t in args.thresholds.split(",") if t.strip())
     if args.output:  # checked before the model loads
-        if os.path.isdir(args.output):
-            raise ValueError(f"--output {args.output} is a directory; give the path of a JSON "
-                             "file")
-        parent = os.path.dirname(args.output) or "."
-        if not os.path.isdir(parent):
-            raise FileNotFoundError(f"--output {args.output}: no such directory: {parent}")
+        check_output_path(args.output, "a JSON file")
     cfg = engine_config_from_args(args)
     llm = LLM(**{k: getattr(cfg, k) for k in cfg.field_names()})
     results = evaluate(llm, families, args.per_family, args.eval_seed, thresholds,

@@ -30,7 +30,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dllm.cli_args import engine_config_from_args, json_object, take_positional_model
+from dllm.cli_args import (
+    check_output_path,
+    engine_config_from_args,
+    json_object,
+    take_positional_model,
+)
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
@@ -79,12 +84,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ValueError("give either a prompt or --input/--output, not both")
         if not os.path.isfile(args.input):
             raise FileNotFoundError(f"no such input file: {args.input}")
-        if os.path.isdir(args.output):
-            raise ValueError(f"--output {args.output} is a directory; give the path of a "
-                             "JSONL file (created, or appended to)")
-        parent = os.path.dirname(args.output) or "."
-        if not os.path.isdir(parent):
-            raise FileNotFoundError(f"--output {args.output}: no such directory: {parent}")
+        check_output_path(args.output, "a JSONL file (created, or appended to)")
     elif not args.prompt:
         raise ValueError("give a prompt, or --input FILE --output FILE")
 
