@@ -4,7 +4,8 @@ For each unmasking setting (``threshold`` at several τ, and ``low_confidence_st
 token per step) every question is answered through ``LLM.chat`` and the reply, stripped, must
 equal the answer string. Parallelism is reported as tokens per denoise forward (generated
 tokens, the stop token included, over forwards that unmask tokens: commit forwards excluded)
-and denoise forwards per block.
+and denoise forwards per block. Each setting runs twice: on questions phrased by the training
+templates (``train``) and by templates training never saw (``held-out``), reported apart.
 """
 
 from __future__ import annotations
@@ -42,19 +43,29 @@ def settings(block_size: int, thresholds: tuple[float, ...]) -> list[tuple[str, 
     return out
 
 
+PHRASINGS = ("train", "held-out")
+
+
 def evaluate(llm, families: list[str], per_family: int, seed: int,
              thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
-             max_new_tokens: int = 64, progress: bool = False) -> list[SettingResult]:
+             max_new_tokens: int = 64, progress: bool = False,
+             phrasing: str = "train") -> list[SettingResult]:
+    """One ``SettingResult`` per unmasking setting, on questions in ``phrasing``
+    (``train``: the training templates; ``held-out``: templates training never used)."""
     from dllm.sampling_params import SamplingParams
 
-    items = [(f, q, a) for f in families for q, a in tasks.generate(f, per_family, seed)]
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"unknown phrasing {phrasing!r}; known: {', '.join(PHRASINGS)}")
+    items = [(f, q, a) for f in families
+             for q, a in tasks.generate(f, per_family, seed, held_out=phrasing == "held-out")]
     conversations = [[{"role": "user", "content": q}] for _, q, _ in items]
     results = []
     for name, dllm in settings(llm.engine.block_size, thresholds):
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, dllm=dllm)
         start = time.perf_counter()
         if progress:
-            print(f"dllm eval: {name} ({len(conversations)} questions)", file=sys.stderr)
+            print(f"dllm eval: {name}, {phrasing} phrasings ({len(conversations)} questions)",
+                  file=sys.stderr)
         outs = llm.chat(conversations, params, use_tqdm=progress)
         seconds = time.perf_counter() - start
         hits: dict[str, list[bool]] = {f: [] for f in families}
@@ -98,6 +109,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                         "training never uses)")
     p.add_argument("--thresholds", default=",".join(str(t) for t in DEFAULT_THRESHOLDS),
                    help="τ values of the threshold algorithm")
+    p.add_argument("--phrasings", default=",".join(PHRASINGS),
+                   help="question phrasings to evaluate, each reported in its own table: "
+                        "'train' (the training templates, fresh questions) and 'held-out' "
+                        "(templates training never used)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--output", help="write the results as JSON here")
     p.add_argument("--no-progress", action="store_true",
@@ -115,20 +130,26 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.per_family < 1:
         raise ValueError("--per-family must be at least 1")
     thresholds = tuple(float(t) for t in args.thresholds.split(",") if t.strip())
+    phrasings = [x.strip() for x in args.phrasings.split(",") if x.strip()]
+    if not phrasings or any(x not in PHRASINGS for x in phrasings):
+        raise ValueError(f"--phrasings {args.phrasings!r}: give some of {', '.join(PHRASINGS)}")
     if args.output:  # checked before the model loads
         check_output_path(args.output, "a JSON file")
     cfg = engine_config_from_args(args)
     llm = LLM(**{k: getattr(cfg, k) for k in cfg.field_names()})
-    results = evaluate(llm, families, args.per_family, args.eval_seed, thresholds,
-                       args.max_new_tokens,
-                       progress=not args.no_progress and sys.stderr.isatty())
+    progress = not args.no_progress and sys.stderr.isatty()
+    results = {x: evaluate(llm, families, args.per_family, args.eval_seed, thresholds,
+                           args.max_new_tokens, progress=progress, phrasing=x)
+               for x in phrasings}
     print(f"model: {llm.engine.info.path} (block size {llm.engine.block_size}); "
           f"{args.per_family} questions per family, seed {args.eval_seed}")
-    print(markdown_table(results, families))
+    for x, rows in results.items():
+        print(f"\n{x} phrasings:\n{markdown_table(rows, families)}")
     if args.output:
         report = {"model": llm.engine.info.path, "block_size": llm.engine.block_size,
                   "families": families, "per_family": args.per_family,
-                  "eval_seed": args.eval_seed, "results": [asdict(r) for r in results]}
+                  "eval_seed": args.eval_seed,
+                  "results": {x: [asdict(r) for r in rows] for x, rows in results.items()}}
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2, ensure_ascii=False)
             f.write("\n")

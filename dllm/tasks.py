@@ -6,7 +6,10 @@ short, exact answer: the bare result, no sentence around it (``"42"``, ``"tenalp
 ``generate(family, n, seed)`` is deterministic: the same arguments give the same list on every
 machine and Python version (``random.Random`` seeded with a string is hash-seed independent).
 The training corpus (``scripts/train_builtin.py``) and the evaluation (``dllm eval``) draw from
-the same generator with different seeds.
+the same generator with different seeds. ``held_out=True`` asks in other words: templates that
+training never uses (written with the words of the training templates), and words sometimes
+Capitalised or in CAPITALS (sorting then ignores case, and counting a letter counts it in
+either case) -- how the model copes with phrasings it was not trained on.
 """
 
 from __future__ import annotations
@@ -78,6 +81,15 @@ def _op(rng: random.Random, sign: str) -> str:
     return sign if rng.random() < 0.5 else f" {sign} "
 
 
+def _cased(rng: random.Random, word: str, held_out: bool) -> str:
+    """Held out: a word as some people type it, sometimes Capitalised, rarely in CAPITALS
+    (training words are lowercase; the training stream draws nothing here)."""
+    if not held_out:
+        return word
+    r = rng.random()
+    return word.capitalize() if r < 0.2 else word.upper() if r < 0.3 else word
+
+
 ADD_PHRASES = (
     "What is {a}{op}{b}?", "Compute {a}{op}{b}.", "Calculate {a}{op}{b}.", "{a}{op}{b} = ?",
     "What's {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
@@ -89,18 +101,30 @@ SUB_PHRASES = (
     "What is {a} minus {b}?", "What is {b} subtracted from {a}?",
 )
 
+# The held-out templates of each family (``held_out=True``): none is a training template.
+ADD_HELD_OUT = (
+    "What is the result of adding {a} and {b}?", "Find {a} plus {b}.",
+    "How much do {a} and {b} make together?", "Tell me the sum: {a} and {b}",
+    "{a} added to {b} is what?", "What number is {a}{op}{b}?",
+)
+SUB_HELD_OUT = (
+    "What is the result of subtracting {b} from {a}?", "Find {a} minus {b}.",
+    "How much is left if you take {b} away from {a}?", "Tell me the difference: {a}{op}{b}",
+    "{b} subtracted from {a} is what?", "What number is {a}{op}{b}?",
+)
 
-def _add(rng: random.Random) -> Exchange:
+
+def _add(rng: random.Random, held_out: bool) -> Exchange:
     a, b = _number(rng), _number(rng)
-    q = rng.choice(ADD_PHRASES).format(a=a, b=b, op=_op(rng, "+"))
+    q = rng.choice(ADD_HELD_OUT if held_out else ADD_PHRASES).format(a=a, b=b, op=_op(rng, "+"))
     return _finish(rng, q), str(a + b)
 
 
-def _sub(rng: random.Random) -> Exchange:
+def _sub(rng: random.Random, held_out: bool) -> Exchange:
     a, b = _number(rng), _number(rng)
     if a < b and rng.random() < 0.75:  # mostly non-negative results, some negative ones
         a, b = b, a
-    q = rng.choice(SUB_PHRASES).format(a=a, b=b, op=_op(rng, "-"))
+    q = rng.choice(SUB_HELD_OUT if held_out else SUB_PHRASES).format(a=a, b=b, op=_op(rng, "-"))
     return _finish(rng, q), str(a - b)
 
 
@@ -113,6 +137,14 @@ SMALLER_PHRASES = (
     "Which is smaller, {a} or {b}?", "Which is less: {a} or {b}?",
     "Which number is smaller, {a} or {b}?", "What is the smaller of {a} and {b}?",
     "min({a}, {b})", "Which is lower, {a} or {b}?",
+)
+LARGER_HELD_OUT = (
+    "Tell me which is greater, {a} or {b}.", "Between {a} and {b}, which number is bigger?",
+    "Which of {a} and {b} is the larger one?", "Give the bigger of {a} and {b}.",
+)
+SMALLER_HELD_OUT = (
+    "Tell me which is less, {a} or {b}.", "Between {a} and {b}, which number is smaller?",
+    "Which of {a} and {b} is the smaller one?", "Give the lower of {a} and {b}.",
 )
 
 
@@ -128,15 +160,15 @@ def _close_to(rng: random.Random, a: int) -> int:
     return min(999, max(0, a + rng.choice((-1, 1)) * rng.randint(1, 20)))
 
 
-def _compare(rng: random.Random) -> Exchange:
+def _compare(rng: random.Random, held_out: bool) -> Exchange:
     a = _number(rng)
     b = _close_to(rng, a) if rng.random() < 0.5 else _number(rng)
     while b == a:
         b = _number(rng)
     if rng.random() < 0.6:
-        q, ans = rng.choice(LARGER_PHRASES), max(a, b)
+        q, ans = rng.choice(LARGER_HELD_OUT if held_out else LARGER_PHRASES), max(a, b)
     else:
-        q, ans = rng.choice(SMALLER_PHRASES), min(a, b)
+        q, ans = rng.choice(SMALLER_HELD_OUT if held_out else SMALLER_PHRASES), min(a, b)
     return _finish(rng, q.format(a=a, b=b)), str(ans)
 
 
@@ -145,11 +177,16 @@ REVERSE_PHRASES = (
     "What is {w} reversed?", "Write '{w}' backwards.", "reverse {w}", "Reverse '{w}'.",
     "Spell the word {w} backwards.",
 )
+REVERSE_HELD_OUT = (
+    "Please write the word '{w}' backwards.", "What do you get if you reverse {w}?",
+    "Give me {w} spelled backwards.", "Reverse the order of the letters in {w}.",
+)
 
 
-def _reverse(rng: random.Random) -> Exchange:
-    w = rng.choice(WORDS)
-    return _finish(rng, rng.choice(REVERSE_PHRASES).format(w=w)), w[::-1]
+def _reverse(rng: random.Random, held_out: bool) -> Exchange:
+    w = _cased(rng, rng.choice(WORDS), held_out)
+    q = rng.choice(REVERSE_HELD_OUT if held_out else REVERSE_PHRASES)
+    return _finish(rng, q.format(w=w)), w[::-1]
 
 
 SORT_PHRASES = (
@@ -157,12 +194,16 @@ SORT_PHRASES = (
     "Put these words in alphabetical order: {ws}", "Sort the words {ws} alphabetically.",
     "Arrange in alphabetical order: {ws}", "sort: {ws}", "Sort these words alphabetically: {ws}",
 )
+SORT_HELD_OUT = (
+    "Please put the words {ws} in alphabetical order.", "Sort this list of words: {ws}",
+    "Give these words in alphabetical order: {ws}", "In alphabetical order, {ws} are?",
+)
 
 
-def _sort(rng: random.Random) -> Exchange:
-    words = rng.sample(SHORT_WORDS, rng.randint(3, 5))
-    q = rng.choice(SORT_PHRASES).format(ws=", ".join(words))
-    return _finish(rng, q), ", ".join(sorted(words))
+def _sort(rng: random.Random, held_out: bool) -> Exchange:
+    words = [_cased(rng, w, held_out) for w in rng.sample(SHORT_WORDS, rng.randint(3, 5))]
+    q = rng.choice(SORT_HELD_OUT if held_out else SORT_PHRASES).format(ws=", ".join(words))
+    return _finish(rng, q), ", ".join(sorted(words, key=str.lower))
 
 
 LENGTH_PHRASES = (
@@ -174,14 +215,24 @@ OCCURRENCE_PHRASES = (
     "How many times does the letter {c} appear in '{w}'?", "How many {c}'s are in {w}?",
     "Count the letter {c} in {w}.", "How many times does {c} occur in the word {w}?",
 )
+LENGTH_HELD_OUT = (
+    "Tell me how many letters the word {w} has.", "How many letters make up '{w}'?",
+    "What is the letter count of {w}?",
+)
+OCCURRENCE_HELD_OUT = (
+    "In the word '{w}', how many times does the letter {c} appear?",
+    "Tell me how many {c}'s the word {w} has.", "How many letters {c} are in '{w}'?",
+)
 
 
-def _count(rng: random.Random) -> Exchange:
-    w = rng.choice(WORDS)
+def _count(rng: random.Random, held_out: bool) -> Exchange:
+    w = _cased(rng, rng.choice(WORDS), held_out)
     if rng.random() < 0.5:
-        return _finish(rng, rng.choice(LENGTH_PHRASES).format(w=w)), str(len(w))
-    c = rng.choice(w) if rng.random() < 0.8 else rng.choice("abcdefghijklmnopqrstuvwxyz")
-    return _finish(rng, rng.choice(OCCURRENCE_PHRASES).format(c=c, w=w)), str(w.count(c))
+        q = rng.choice(LENGTH_HELD_OUT if held_out else LENGTH_PHRASES)
+        return _finish(rng, q.format(w=w)), str(len(w))
+    c = rng.choice(w.lower()) if rng.random() < 0.8 else rng.choice("abcdefghijklmnopqrstuvwxyz")
+    q = rng.choice(OCCURRENCE_HELD_OUT if held_out else OCCURRENCE_PHRASES)
+    return _finish(rng, q.format(c=c, w=w)), str(w.lower().count(c))
 
 
 GREETINGS = ("Hello", "Hi", "Hello!", "Hi!", "Hey", "Help", "What can you do?",
@@ -190,11 +241,11 @@ GREETING_ANSWER = ("Hi! I can add and subtract numbers, compare them, and revers
                    "count the letters of words.")
 
 
-def _greeting(rng: random.Random) -> Exchange:
+def _greeting(rng: random.Random, held_out: bool) -> Exchange:
     return rng.choice(GREETINGS), GREETING_ANSWER
 
 
-FAMILIES: dict[str, Callable[[random.Random], Exchange]] = {
+FAMILIES: dict[str, Callable[[random.Random, bool], Exchange]] = {
     "add": _add,
     "sub": _sub,
     "compare": _compare,
@@ -207,9 +258,10 @@ FAMILIES: dict[str, Callable[[random.Random], Exchange]] = {
 EVAL_FAMILIES: tuple[str, ...] = ("add", "sub", "compare", "reverse", "sort", "count")
 
 
-def generate(family: str, n: int, seed: int) -> list[Exchange]:
-    """``n`` exchanges ``(question, answer)`` of ``family``, the same for the same arguments."""
+def generate(family: str, n: int, seed: int, held_out: bool = False) -> list[Exchange]:
+    """``n`` exchanges ``(question, answer)`` of ``family``, the same for the same arguments.
+    ``held_out``: in the held-out phrasings (the greeting has none: the same exchanges)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown task family {family!r}; known: {', '.join(FAMILIES)}")
-    rng = random.Random(f"dllm-tasks:{family}:{seed}")
-    return [FAMILIES[family](rng) for _ in range(n)]
+    rng = random.Random(f"dllm-tasks:{family}:{seed}" + (":held-out" if held_out else ""))
+    return [FAMILIES[family](rng, held_out) for _ in range(n)]

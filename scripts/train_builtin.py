@@ -31,8 +31,8 @@ checkpoint (GraniteMoeHybrid keys and tensor names, plus ``mask_token_id`` and `
 The two copies pass the Mamba2 layers as the engine runs them: the clean copy causally over
 the whole sequence (the committed state); each noised block from the clean state and conv
 window at its start, causally within the block (a denoise step from the committed state).
-The SSM is the chunked closed form of ``dllm.models.mamba2`` with one chunk per block, in
-plain differentiable torch.
+The SSM is its quadratic form over the sequence (``_ssd_two_copies``), in plain
+differentiable torch.
 
     python scripts/train_builtin.py --hybrid --out dllm/builtin_hybrid --max-minutes 10
 """
@@ -370,23 +370,46 @@ def _conv_blocks(xbc: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
     return F.silu(out + bias if bias is not None else out)
 
 
-def _ssd_blocks(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per block, from a zero state: ``x [b, n, B, H, P]``, ``dt [b, n, B, H]``, ``a [H]``,
-    ``b, c [b, n, B, H, N]``. Returns the intra-block output ``[b, n, B, H, P]``, the
-    cumulative decay ``c_t [b, n, B, H]`` and each block's own end state ``[b, n, H, P, N]``."""
-    da = dt * a
-    cum = da.cumsum(dim=2)
-    seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, n, t, s, H]: c_t - c_s
-    length = x.shape[2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(seg.masked_fill(~causal[None, None, :, :, None], -math.inf))
-    xdt = x * dt[..., None]
-    scores = torch.einsum("bntho,bnsho->bntsh", c, b) * decay
-    y = torch.einsum("bntsh,bnshp->bnthp", scores, xdt)
-    to_end = torch.exp(cum[:, :, -1:, :] - cum)  # [b, n, B, H]
-    end = torch.einsum("bnsh,bnshp,bnsho->bnhpo", to_end, xdt, b)
-    return y, cum, end
+def _ssd_two_copies(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    c: torch.Tensor, block: int) -> torch.Tensor:
+    """The SSM of both copies in its quadratic ("attention") form over the whole sequence,
+    without D. ``x [2, b, L, H, P]``, ``dt [2, b, L, H]``, ``a [H]``, ``b, c [2, b, L, H, N]``
+    (copy 0 noised, copy 1 clean). With ``G`` the clean copy's inclusive cumulative decay
+    ``Σ dt·A`` and ``g`` the noised copy's, restarted at every block:
+
+    - clean ``y_t = Σ_{s≤t} (C_t·B_s) e^{G_t − G_s} dt_s x_s``: causal over the sequence;
+    - noised ``y_t = Σ_{s<start(t)} (C_t·B̄_s) e^{G_{start−1} + g_t − G_s} dt̄_s x̄_s
+      + Σ_{start≤s≤t} (C_t·B_s) e^{g_t − g_s} dt_s x_s`` (bars: the clean copy): the clean
+      state at the block's start carried into the noised block, which runs causally.
+
+    The same numbers as the state recursion of ``dllm.models.mamba2`` (a test checks it
+    against the mixer), as batched matrix products over ``[b, H, L, L]`` scores: at these
+    lengths (≤ 192) cheaper than materialising the ``[H, P, N]`` state at every block."""
+    _, bsz, length, heads, _ = x.shape
+    n = length // block
+    da = (dt * a).permute(0, 1, 3, 2)  # [2, b, H, L]
+    xdt = (x * dt[..., None]).permute(0, 1, 3, 2, 4)  # [2, b, H, L, P]
+    bt, ct = b.permute(0, 1, 3, 2, 4), c.permute(0, 1, 3, 2, 4)  # [2, b, H, L, N]
+    big = da[1].cumsum(-1)  # G, [b, H, L]
+    small = da[0].view(bsz, heads, n, block).cumsum(-1).view(bsz, heads, length)  # g
+    pos = torch.arange(length, device=x.device)
+    blk = pos // block
+    causal = pos[:, None] >= pos[None, :]
+    before = blk[:, None] > blk[None, :]  # s in an earlier block than t
+    within = causal & (blk[:, None] == blk[None, :])
+    # G at the position before each block's start (0 for the first block).
+    g_prev = torch.cat([torch.zeros_like(big[..., :1]), big[..., block - 1:-1:block]], -1)
+    g_prev = g_prev.repeat_interleave(block, dim=-1)  # [b, H, L]
+
+    def decay(rows: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return torch.exp((rows[..., :, None] - cols[..., None, :]).masked_fill(~keep, -math.inf))
+
+    clean = (ct[1] @ bt[1].transpose(-1, -2)) * decay(big, big, causal)
+    cross = (ct[0] @ bt[1].transpose(-1, -2)) * decay(g_prev + small, big, before)
+    intra = (ct[0] @ bt[0].transpose(-1, -2)) * decay(small, small, within)
+    y_clean = clean @ xdt[1]
+    y_noised = cross @ xdt[1] + intra @ xdt[0]
+    return torch.stack([y_noised, y_clean]).permute(0, 1, 3, 2, 4)  # [2, b, L, H, P]
 
 
 def mamba_two_copies(m: Mamba2Mixer, noised: torch.Tensor, clean: torch.Tensor,
@@ -406,24 +429,15 @@ def mamba_two_copies(m: Mamba2Mixer, noised: torch.Tensor, clean: torch.Tensor,
     prev = torch.cat([torch.zeros_like(tail[:, :1]), tail[:, :-1]], dim=1)
     weight = m.conv1d.weight.squeeze(1)
     conv = _conv_blocks(xbc.reshape(2 * bsz, n, block, -1), prev.repeat(2, 1, 1, 1),
-                        weight, m.conv1d.bias).view(2, bsz, n, block, -1)
+                        weight, m.conv1d.bias).view(2, bsz, length, -1)
     dt, a = discretize(dt, m.dt_bias, m.A_log, d.time_step_limit)
     x, bm, cm = conv.float().split([d.intermediate_size, d.n_groups * d.d_state,
                                     d.n_groups * d.d_state], dim=-1)
     rep = d.num_heads // d.n_groups
-    x = x.reshape(2 * bsz, n, block, d.num_heads, d.head_dim)
-    bm = bm.reshape(2 * bsz, n, block, d.n_groups, d.d_state).repeat_interleave(rep, dim=3)
-    cm = cm.reshape(2 * bsz, n, block, d.n_groups, d.d_state).repeat_interleave(rep, dim=3)
-    dt = dt.reshape(2 * bsz, n, block, d.num_heads)
-    y, cum, end = _ssd_blocks(x, dt, a, bm, cm)
-    # The clean copy's state at each block start: h_{j+1} = exp(c_end) h_j + end_j.
-    starts = [torch.zeros_like(end[bsz:, 0])]
-    for j in range(n - 1):
-        starts.append(starts[-1] * torch.exp(cum[bsz:, j, -1])[..., None, None]
-                      + end[bsz:, j])
-    h0 = torch.stack(starts, dim=1).repeat(2, 1, 1, 1, 1)  # [2b, n, H, P, N]
-    y = y + torch.einsum("bnhpo,bntho->bnthp", h0, cm) * torch.exp(cum)[..., None]
-    y = y + x * m.D.float()[:, None]
+    x = x.reshape(2, bsz, length, d.num_heads, d.head_dim)
+    bm = bm.reshape(2, bsz, length, d.n_groups, d.d_state).repeat_interleave(rep, dim=3)
+    cm = cm.reshape(2, bsz, length, d.n_groups, d.d_state).repeat_interleave(rep, dim=3)
+    y = _ssd_two_copies(x, dt, a, bm, cm, block) + x * m.D.float()[:, None]
     y = y.reshape(2, bsz, length, d.intermediate_size)
     out = m.out_proj(gated_rms_norm(y, z, m.norm.weight, d.norm_eps,
                                     d.norm_group_size).to(both.dtype))
@@ -615,24 +629,32 @@ def naive_decode(model: SDARForCausalLM, prompts: list[list[int]], block: int, m
 
 def evaluate(model: SDARForCausalLM, tok: Tokenizer, block: int, n_per_family: int,
              autocast: bool) -> dict:
+    """Accuracy and parallelism on held-out questions (the eval seed), in the training
+    templates (``one_token_per_step``, ``threshold_0.9``) and in the held-out templates
+    (the same names with ``held_out_`` in front)."""
     mask_id, stop_ids = tok.token_to_id(MASK), {tok.token_to_id(IM_END), tok.token_to_id(EOT)}
-    items = [(f, q, a) for f in tasks.EVAL_FAMILIES
-             for q, a in tasks.generate(f, n_per_family, tasks.EVAL_SEED)]
-    prompts = [tok.encode(render_chat([{"role": "user", "content": q}], True),
-                          add_special_tokens=False).ids for _, q, _ in items]
     result = {}
-    for name, threshold in (("one_token_per_step", None), ("threshold_0.9", 0.9)):
-        outs = naive_decode(model, prompts, block, mask_id, stop_ids, threshold, 64, autocast)
-        per: dict[str, list[int]] = {}
-        toks = fwd = blks = 0
-        for (f, _, a), (gen, nf, nb) in zip(items, outs, strict=True):
-            text = tok.decode(gen, skip_special_tokens=True).strip()
-            per.setdefault(f, []).append(int(text == a))
-            toks, fwd, blks = toks + len(gen), fwd + nf, blks + nb
-        acc = {f: sum(v) / len(v) for f, v in per.items()}
-        acc["overall"] = sum(sum(v) for v in per.values()) / len(items)
-        result[name] = {"accuracy": acc, "tokens_per_forward": toks / max(fwd, 1),
-                        "forwards_per_block": fwd / max(blks, 1)}
+    for held_out in (False, True):
+        items = [(f, q, a) for f in tasks.EVAL_FAMILIES
+                 for q, a in tasks.generate(f, n_per_family, tasks.EVAL_SEED, held_out)]
+        prompts = [tok.encode(render_chat([{"role": "user", "content": q}], True),
+                              add_special_tokens=False).ids for _, q, _ in items]
+        for name, threshold in (("one_token_per_step", None), ("threshold_0.9", 0.9)):
+            outs = naive_decode(model, prompts, block, mask_id, stop_ids, threshold, 64,
+                                autocast)
+            per: dict[str, list[int]] = {}
+            toks = fwd = blks = 0
+            for (f, _, a), (gen, nf, nb) in zip(items, outs, strict=True):
+                text = tok.decode(gen, skip_special_tokens=True).strip()
+                per.setdefault(f, []).append(int(text == a))
+                toks, fwd, blks = toks + len(gen), fwd + nf, blks + nb
+            acc = {f: sum(v) / len(v) for f, v in per.items()}
+            acc["overall"] = sum(sum(v) for v in per.values()) / len(items)
+            result[("held_out_" if held_out else "") + name] = {
+                "accuracy": acc, "tokens_per_forward": toks / max(fwd, 1),
+                "forwards_per_block": fwd / max(blks, 1)}
+            print(f"eval {'held-out' if held_out else 'train'} phrasings, {name}: "
+                  + ", ".join(f"{f} {100 * v:.1f}" for f, v in acc.items()), flush=True)
     return result
 
 
@@ -710,7 +732,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="shrink --steps to fit this much training time (measured after "
                         "--calibration-steps, inside the warmup, so the schedule is that of "
-                        "--steps set to the printed value)")
+                        "--steps set to the printed value; re-fitted, only ever shorter, "
+                        "at every log line if the steps slow down)")
     p.add_argument("--calibration-steps", type=int, default=60)
     p.add_argument("--batch-tokens", type=int, default=65536,
                    help="tokens of the noised copy per step (the model reads twice as many)")
@@ -810,6 +833,17 @@ def main(argv: list[str] | None = None) -> dict:
         loss_sum += loss.detach()
         loss_n += 1
         step += 1
+        if (args.max_minutes is not None and t_calib and step > args.calibration_steps
+                and step % args.log_every == 0):
+            # Re-fit, never lengthening: another process on the same GPU (or a clock that
+            # drops under steady load) slows the steps after the calibration.
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.time() - t_calib) / (step - 10)
+            fit = int((args.max_minutes * 60 - (time.time() - t_train)) / per_step) + step
+            if fit < total:
+                total = max(step + 1, fit)
+                print(f"re-fit: {per_step * 1e3:.1f} ms/step -> --steps {total}", flush=True)
         if step % args.log_every == 0 or step == total:
             avg = float(loss_sum) / loss_n
             print(f"step {step}/{total} loss {avg:.4f} lr {opt.param_groups[0]['lr']:.2e} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import functools
 import re
 from pathlib import Path
 
@@ -100,34 +101,54 @@ def test_task_generator_is_deterministic():
         ("Calculate 87+592.", "679"), ("Add 2 and 0.", "2"), ("what is 53 plus 4?", "57")]
     assert tasks.generate("sort", 1, 0) == [
         ("Sort these words: cake, grey, pump", "cake, grey, pump")]
+    assert tasks.generate("sort", 2, 3, held_out=True)[0] == (
+        "Please put the words town, Mask, Wall, Hair in alphabetical order",
+        "Hair, Mask, town, Wall")
     with pytest.raises(ValueError, match="unknown task family"):
         tasks.generate("poetry", 1, 0)
 
 
-def test_task_answers_are_correct():
-    for q, a in tasks.generate("add", 200, 1):
+def test_held_out_templates_are_not_training_templates():
+    pairs = [(tasks.ADD_PHRASES, tasks.ADD_HELD_OUT), (tasks.SUB_PHRASES, tasks.SUB_HELD_OUT),
+             (tasks.LARGER_PHRASES + tasks.SMALLER_PHRASES,
+              tasks.LARGER_HELD_OUT + tasks.SMALLER_HELD_OUT),
+             (tasks.REVERSE_PHRASES, tasks.REVERSE_HELD_OUT),
+             (tasks.SORT_PHRASES, tasks.SORT_HELD_OUT),
+             (tasks.LENGTH_PHRASES + tasks.OCCURRENCE_PHRASES,
+              tasks.LENGTH_HELD_OUT + tasks.OCCURRENCE_HELD_OUT)]
+    for train, held in pairs:
+        norm = {t.lower().rstrip(".?") for t in train}
+        assert not {t.lower().rstrip(".?") for t in held} & norm
+    for family in tasks.EVAL_FAMILIES:  # no held-out question is a training question
+        train_q = {q.lower().rstrip(".?") for q, _ in tasks.generate(family, 2000, 1)}
+        held_q = {q.lower().rstrip(".?") for q, _ in tasks.generate(family, 300, 1, True)}
+        assert len(held_q & train_q) <= 3, family  # only by coincidence of templates' words
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+def test_task_answers_are_correct(held_out):
+    generate = functools.partial(tasks.generate, held_out=held_out)
+    for q, a in generate("add", 200, 1):
         x, y = map(int, re.findall(r"\d+", q))
         assert a == str(x + y), q
-    for q, a in tasks.generate("sub", 200, 1):
+    for q, a in generate("sub", 200, 1):
         x, y = map(int, re.findall(r"\d+", q))
         assert a == str(y - x if "from" in q else x - y), q
-    for q, a in tasks.generate("compare", 200, 1):
+    for q, a in generate("compare", 200, 1):
         x, y = map(int, re.findall(r"\d+", q))
         larger = any(w in q.lower() for w in ("larg", "bigg", "great", "more", "max"))
         assert a == str(max(x, y) if larger else min(x, y)), q
-    for q, a in tasks.generate("reverse", 100, 1):
+    for q, a in generate("reverse", 100, 1):
         assert a[::-1] in q
-    for q, a in tasks.generate("sort", 100, 1):
+    for q, a in generate("sort", 100, 1):
         words = a.split(", ")
-        assert words == sorted(words) and 3 <= len(words) <= 5
+        assert words == sorted(words, key=str.lower) and 3 <= len(words) <= 5
         assert all(w in q for w in words)
-    for q, a in tasks.generate("count", 100, 1):
+    for q, a in generate("count", 100, 1):
         words = [w for w in re.findall(r"[a-z]+", q.lower()) if w in tasks.WORDS]
-        letter = re.search(r"(?:letter |many )([a-z])(?:'s)? ", q) or re.search(
-            r"(?:letter|count the letter|does) ([a-z]) ", q.lower())
+        letters = set(re.findall(r"\b([a-z])(?:'s)?\b", q.lower()))  # the letter asked
         counts = {str(len(w)) for w in words}
-        if letter:
-            counts |= {str(w.count(letter.group(1))) for w in words}
+        counts |= {str(w.count(c)) for w in words for c in letters}
         assert a in counts, q
 
 
@@ -141,7 +162,8 @@ def test_training_script_tiny_run_writes_loadable_checkpoint(tmp_path):
         "--eval-per-family", "1", "--seed", "3",
     ])
     assert summary["steps"] == 3 and summary["final_loss"] > 0
-    assert set(summary["metrics"]) == {"one_token_per_step", "threshold_0.9"}
+    assert set(summary["metrics"]) == {"one_token_per_step", "threshold_0.9",
+                                       "held_out_one_token_per_step", "held_out_threshold_0.9"}
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "generation_config.json"):
         assert (out / name).is_file(), name
@@ -185,17 +207,21 @@ def test_hybrid_training_tiny_run_writes_loadable_checkpoint(tmp_path):
                    SamplingParams(max_new_tokens=8))[0]
     assert got.error is None and len(got.token_ids) >= 1
     llm.engine.check_memory()
-    # The training forward's Mamba2 layers equal the engine's mixer from the clean state.
+    # The training forward's Mamba2 layers equal the engine's mixer: the clean copy over the
+    # whole sequence, every noised block from the clean state (and conv window) at its start.
     m = model.model.layers[0].mamba
     g = torch.Generator().manual_seed(0)
-    clean, noised = torch.randn(2, 1, 16, 32, generator=g)
+    clean, noised = torch.randn(2, 2, 24, 32, generator=g)
     got_noised, got_clean = train.mamba_two_copies(m, noised, clean, 8)
-    conv, ssm = m.zero_states(1)
-    want_clean, conv, ssm = m(clean[0], conv, ssm, [16])
-    _, conv8, ssm8 = m(clean[0, :8], *m.zero_states(1), [8])
-    want_block, _, _ = m(noised[0, 8:], conv8, ssm8, [8])
-    assert torch.allclose(got_clean[0], want_clean, atol=1e-5)
-    assert torch.allclose(got_noised[0, 8:], want_block, atol=1e-5)
+    for row in range(2):
+        want_clean, _, _ = m(clean[row], *m.zero_states(1), [24])
+        assert torch.allclose(got_clean[row], want_clean, atol=1e-5)
+        for start in (0, 8, 16):
+            conv, ssm = m.zero_states(1)
+            if start:
+                _, conv, ssm = m(clean[row, :start], conv, ssm, [start])
+            want_block, _, _ = m(noised[row, start:start + 8], conv, ssm, [8])
+            assert torch.allclose(got_noised[row, start:start + 8], want_block, atol=1e-5)
 
 
 def test_builtin_hybrid_name_says_when_it_is_not_packaged():
@@ -206,3 +232,21 @@ def test_builtin_hybrid_name_says_when_it_is_not_packaged():
     else:
         with pytest.raises(ValueError, match="built-in hybrid model is not packaged"):
             LLM("builtin-hybrid")
+
+
+def test_eval_reports_train_and_held_out_phrasings(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", "--per-family", "2", "--thresholds", "0.9", "--families",
+                     "add,reverse", "--no-progress", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "train phrasings:" in printed and "held-out phrasings:" in printed
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"train", "held-out"}
+    for phrasing, rows in report["results"].items():
+        assert [r["name"] for r in rows] == ["threshold τ=0.9",
+                                             "low_confidence_static, 1 token/step"]
+        for r in rows:
+            assert set(r["accuracy"]) == {"add", "reverse", "overall"}
+            assert r["tokens"] > 0 and r["denoise_forwards"] > 0
+    assert cli_main(["eval", "--phrasings", "novel", "--per-family", "1"]) == 2
+    assert "--phrasings 'novel': give some of train, held-out" in capsys.readouterr().err

@@ -6,14 +6,16 @@ real shapes, next to the roofline of each case, measured in the same run.
 Block-diffusion models run ``low_confidence_static`` with one token per denoise step (a fixed
 schedule, so the figures do not depend on random-weight confidences); a step is one
 ``DLLM_EXTEND`` forward of ``bs × block_size`` tokens with the unmasking step. Autoregressive
-models run ``DECODE`` steps. Weights are random (``load_format="dummy"``), built on the GPU.
+models run ``DECODE`` steps (hybrids too: ``granite-h-*``; ``granite-h-*-bd`` are the same
+shapes as block-diffusion hybrids). Weights are random (``load_format="dummy"``), built on the GPU.
 
 Each case times the same warm engine twice: the plain host loop (each step's result read
 before the next step is queued) and the overlapped one (the default on CUDA), in its steady
 state (from the return of one step to that of the N-th after it: each returns once the step
 before it is read); ``step ms`` and the ratios are the overlapped loop's.
 
-Floors: weight bytes read per step ÷ measured HBM bandwidth (a device-to-device copy), and
+Floors: weight bytes read per step (for hybrids plus each row's recurrent state, read and
+written once) ÷ measured HBM bandwidth (a device-to-device copy), and
 FLOPs per step ÷ measured bf16 matmul rate (8192³). The matmul rate is the sustained one
 (back to back for 3 s: the GPU's power cap lowers the SM clock under a steady load, and the
 timed steps run in that state; ``SM MHz`` is the clock read during them, nan where they ended
@@ -46,6 +48,19 @@ from report import (  # noqa: E402
     write_report,
 )
 
+def _granite_h(**shape) -> dict:
+    """A Granite 4.0-H layout of 40 layers with attention at 5, 15, 25 and 35."""
+    return dict(num_hidden_layers=40, head_dim=shape["hidden_size"] // shape[
+        "num_attention_heads"], layer_types=["attention" if i % 10 == 5 else "mamba"
+                                            for i in range(40)],
+                mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4,
+                mamba_expand=2, mamba_chunk_size=256, vocab_size=100352,
+                tie_word_embeddings=True, position_embedding_type="nope",
+                embedding_multiplier=12.0, residual_multiplier=0.22,
+                attention_multiplier=shape["num_attention_heads"] / shape["hidden_size"],
+                **shape)  # 1 / head_dim, as released
+
+
 # Real configs' shapes (config.json keys), the tokenizer comes from the factory.
 SHAPES = {
     "sdar-4b": ("SDARForCausalLM", dict(hidden_size=2560, intermediate_size=9728,
@@ -62,6 +77,28 @@ SHAPES = {
                     num_key_value_heads=4, head_dim=128, vocab_size=157184, num_experts=256,
                     num_experts_per_tok=8, num_shared_experts=1, n_group=8, topk_group=4,
                     first_k_dense_replace=1, block_size=32)),
+    # ibm-granite/granite-4.0-h-tiny as publicly quoted (7B, ~1B active): 40 layers, 4 of them
+    # NoPE attention, 36 Mamba2 (48 heads of 64, state 128, one group), 64 experts top-6 of
+    # 512 beside a 1024 shared MLP in every layer, tied 100k vocabulary. Its MoE layers run
+    # eagerly (no graph runner for them). "-bd": the same shape as a block-diffusion hybrid
+    # (``GraniteMoeHybridForBlockDiffusion``, block 4), a denoise step per timed step.
+    "granite-h-tiny": ("GraniteMoeHybridForCausalLM", _granite_h(
+        hidden_size=1536, num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48,
+        num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
+        shared_intermediate_size=1024, logits_scaling=6.0)),
+    "granite-h-tiny-bd": ("GraniteMoeHybridForBlockDiffusion", _granite_h(
+        hidden_size=1536, num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48,
+        num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
+        shared_intermediate_size=1024, logits_scaling=6.0, block_size=4)),
+    # ibm-granite/granite-4.0-h-micro (3B dense: shared MLP only), captured in CUDA graphs.
+    "granite-h-micro": ("GraniteMoeHybridForCausalLM", _granite_h(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, mamba_n_heads=64,
+        num_local_experts=0, num_experts_per_tok=0, intermediate_size=8192,
+        shared_intermediate_size=8192, logits_scaling=8.0)),
+    "granite-h-micro-bd": ("GraniteMoeHybridForBlockDiffusion", _granite_h(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, mamba_n_heads=64,
+        num_local_experts=0, num_experts_per_tok=0, intermediate_size=8192,
+        shared_intermediate_size=8192, logits_scaling=8.0, block_size=4)),
 }
 
 
@@ -78,10 +115,17 @@ def checkpoint_dir(name: str, root: Path) -> str:
     return str(path)
 
 
-def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict) -> tuple[float, float]:
-    """(weight bytes read, FLOPs) of one forward over ``tokens`` query tokens at context
-    ``ctx``. An untied input embedding is a lookup: only ``tokens`` of its rows are read and
-    it does no matrix work. MoE: only the experts the tokens can reach are read."""
+def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict,
+               rows: int = 0) -> tuple[float, float]:
+    """(bytes read and written, FLOPs) of one forward over ``tokens`` query tokens of ``rows``
+    requests at context ``ctx``. An untied input embedding is a lookup: only ``tokens`` of its
+    rows are read and it does no matrix work. MoE: only the experts the tokens can reach are
+    read, and FLOPs count the ``k`` active ones per token. Hybrids: each row's recurrent state
+    (conv window and fp32 SSM state of every Mamba2 layer) is read and written once per
+    forward, and the SSM's own FLOPs are left out (small beside the projections)."""
+    from dllm.models.granite_hybrid import StackedWeight
+    from dllm.models.mamba2 import Mamba2Mixer
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
     if getattr(model, "lm_head", None) is not None:  # untied: the head is the matmul
@@ -95,8 +139,20 @@ def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict) -> tupl
         touched = min(e, tokens * k)
         total -= moe_layers * (e - touched) * expert * 2
         params -= moe_layers * (e - k) * expert  # FLOPs use the k active experts per token
-    attn = 4 * tokens * ctx * cfg["num_attention_heads"] * cfg["head_dim"] * cfg[
-        "num_hidden_layers"]
+    for m in model.modules():
+        if isinstance(m, StackedWeight):  # Granite-H experts [E, out, in]
+            w = m.weight
+            e, k = w.shape[0], cfg["num_experts_per_tok"]
+            per = w[0].numel()
+            total -= (e - min(e, tokens * k)) * per * w.element_size()
+            params -= (e - k) * per
+        if isinstance(m, Mamba2Mixer):
+            d = m.dims
+            state = (d.conv_kernel - 1) * d.conv_dim * 2 + d.num_heads * d.head_dim * d.d_state * 4
+            total += 2 * rows * state
+    attn_layers = sum(1 for t in cfg.get("layer_types", ["attention"] * cfg[
+        "num_hidden_layers"]) if t == "attention")
+    attn = 4 * tokens * ctx * cfg["num_attention_heads"] * cfg["head_dim"] * attn_layers
     return float(total), float(2 * params * tokens + attn)
 
 
@@ -171,7 +227,7 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     dt = walls[True]
     replay_ms = _replay_ms(e) if graph else float("nan")
     tokens = bs * (b if diffusion else 1)
-    byts, flops = step_costs(e.model, tokens, prompt_len + per_req // 2, shape)
+    byts, flops = step_costs(e.model, tokens, prompt_len + per_req // 2, shape, bs)
     # One token per denoise step, plus one commit forward per block: b tokens per b+1 steps.
     out_tok = bs * (b / (b + 1) if diffusion else 1.0) / dt
     floor_bw = byts / ceilings["hbm_bytes_per_s"]
@@ -253,7 +309,8 @@ def main() -> int:
                         args.eager_batch_sizes else args.eager_batch_sizes
                     for bs in map(int, sizes.split(",")):
                         if runner == "cuda_graph" and (backend != "flashinfer" or (
-                                name == "llada2-mini" and not grouped_moe)):
+                                name == "llada2-mini" and not grouped_moe) or (
+                                name.startswith("granite-h-tiny"))):
                             continue  # graphs need FlashInfer, MoE the grouped experts
                         try:
                             row = bench_case(name, path, bs, runner == "cuda_graph", backend,
