@@ -36,7 +36,9 @@ chunks of ``chunk_size``, each starting from the state the previous one left, so
 ``chunk² × heads`` whatever ``T``: exactly the recurrence, re-associated.
 
 Rows are token-major: ``[T_total, ...]`` with ``extend_lens`` tokens per row, as the runner's
-``ForwardBatch`` lays them out. States are per row: ``conv_state [rows, conv_dim, K − 1]``,
+``ForwardBatch`` lays them out. Rows of one length (every denoise step and commit of block
+diffusion) run as one batched pass; rows of mixed lengths (chunked AR prefill beside decodes)
+one after another. States are per row: ``conv_state [rows, conv_dim, K − 1]``,
 ``ssm_state [rows, heads, head_dim, N]`` (fp32 unless the caller asks otherwise). Nothing is
 written in place: each call returns the new states, and the caller decides where they go
 (a denoise step of block diffusion reads the committed state and discards the new one).
@@ -153,21 +155,21 @@ def split_projection(zxbcdt: torch.Tensor, dims: Mamba2Dims
 
 def causal_conv(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise convolution of one row, then SiLU.
+    """Causal depthwise convolution of rows of equal length, then SiLU.
 
-    ``xbc [T, C]``; ``conv_state [C, K − 1]`` (the row's previous ``K − 1`` inputs, oldest
-    first); ``weight [C, K]`` (``conv1d.weight`` without its middle axis), tap ``K − 1``
-    multiplying the current input. Returns ``silu(conv) [T, C]`` and the new state: the last
-    ``K − 1`` inputs of ``[state, xbc]``."""
+    ``xbc [R, T, C]``; ``conv_state [R, C, K − 1]`` (each row's previous ``K − 1`` inputs,
+    oldest first); ``weight [C, K]`` (``conv1d.weight`` without its middle axis), tap ``K − 1``
+    multiplying the current input. Returns ``silu(conv) [R, T, C]`` and the new states: the
+    last ``K − 1`` inputs of ``[state, xbc]``."""
     k = weight.shape[-1]
-    if xbc.shape[0] == 0:
+    if xbc.shape[1] == 0:
         return xbc, conv_state.clone()
-    window = torch.cat([conv_state.to(xbc.dtype).t(), xbc], dim=0)  # [K-1+T, C]
-    taps = window.unfold(0, k, 1)  # [T, C, K]: taps[t, c, j] = window[t + j, c]
+    window = torch.cat([conv_state.to(xbc.dtype).transpose(1, 2), xbc], dim=1)  # [R, K-1+T, C]
+    taps = window.unfold(1, k, 1)  # [R, T, C, K]: taps[r, t, c, j] = window[r, t + j, c]
     out = (taps * weight).sum(-1)
     if bias is not None:
         out = out + bias
-    new_state = window[window.shape[0] - (k - 1):].t().contiguous()
+    new_state = window[:, window.shape[1] - (k - 1):].transpose(1, 2).contiguous()
     return F.silu(out), new_state
 
 
@@ -180,53 +182,53 @@ def discretize(dt: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """``a [L, H]`` → ``S [H, L, L]`` with ``S[h, t, s] = Σ_{s<k≤t} a[k, h]`` for ``s ≤ t`` and
-    ``−inf`` above the diagonal, so ``exp(S)`` is the decay from ``s`` to ``t``."""
-    length = a.shape[0]
-    x = a.t()[:, :, None].expand(-1, length, length)  # x[h, k, s] = a[k, h]
+    """``a [R, L, H]`` → ``S [R, H, L, L]`` with ``S[r, h, t, s] = Σ_{s<k≤t} a[r, k, h]`` for
+    ``s ≤ t`` and ``−inf`` above the diagonal, so ``exp(S)`` is the decay from ``s`` to ``t``."""
+    length = a.shape[1]
+    x = a.transpose(1, 2)[..., None].expand(-1, -1, length, length)  # x[r, h, k, s] = a[k]
     below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), -1)
-    x = x.masked_fill(~below, 0.0).cumsum(dim=1)  # [h, t, s] = Σ_{s<k≤t} a[k]
+    x = x.masked_fill(~below, 0.0).cumsum(dim=2)  # [r, h, t, s] = Σ_{s<k≤t} a[k]
     keep = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
     return x.masked_fill(~keep, -INF)
 
 
 def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               c: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The closed form over one chunk of ``L`` tokens from state ``h0`` (module docstring),
-    without the ``D·x`` term. All fp32: ``x [L, H, P]``, ``dt [L, H]``, ``a [H]``,
-    ``b, c [L, H, N]`` (already expanded from groups to heads), ``h0 [H, P, N]``.
-    Returns ``y [L, H, P]`` and ``h_L [H, P, N]``."""
-    da = dt * a  # [L, H]
-    cum = da.cumsum(dim=0)  # c_t
-    decay = torch.exp(_segsum(da))  # [H, t, s]
-    scores = torch.einsum("thn,shn->hts", c, b) * decay  # (C_t·B_s) exp(c_t − c_s)
+    """The closed form over one chunk of ``L`` tokens of each row from its state ``h0``
+    (module docstring), without the ``D·x`` term. All fp32: ``x [R, L, H, P]``,
+    ``dt [R, L, H]``, ``a [H]``, ``b, c [R, L, H, N]`` (already expanded from groups to
+    heads), ``h0 [R, H, P, N]``. Returns ``y [R, L, H, P]`` and ``h_L [R, H, P, N]``."""
+    da = dt * a  # [R, L, H]
+    cum = da.cumsum(dim=1)  # c_t
+    decay = torch.exp(_segsum(da))  # [R, H, t, s]
+    scores = torch.einsum("rthn,rshn->rhts", c, b) * decay  # (C_t·B_s) exp(c_t − c_s)
     xdt = x * dt[..., None]  # dt_s x_s
-    y = torch.einsum("hts,shp->thp", scores, xdt)
-    y = y + torch.einsum("hpn,thn->thp", h0, c) * torch.exp(cum)[..., None]
-    to_end = torch.exp(cum[-1][None, :] - cum)  # exp(c_L − c_s), [L, H]
-    h_end = h0 * torch.exp(cum[-1])[:, None, None] + torch.einsum(
-        "sh,shp,shn->hpn", to_end, xdt, b)
+    y = torch.einsum("rhts,rshp->rthp", scores, xdt)
+    y = y + torch.einsum("rhpn,rthn->rthp", h0, c) * torch.exp(cum)[..., None]
+    to_end = torch.exp(cum[:, -1:] - cum)  # exp(c_L − c_s), [R, L, H]
+    h_end = h0 * torch.exp(cum[:, -1])[..., None, None] + torch.einsum(
+        "rsh,rshp,rshn->rhpn", to_end, xdt, b)
     return y, h_end
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSM over one row of ``T`` tokens in chunks of ``chunk_size``. ``x [T, H, P]``,
-    ``dt [T, H]`` (discretized), ``a [H]``, ``b, c [T, G, N]`` (per group), ``d [H]``,
-    ``h0 [H, P, N]``. Returns ``y [T, H, P]`` (fp32, ``D·x`` included) and the final state
-    (fp32)."""
-    heads, groups = x.shape[1], b.shape[1]
+    """The SSM over rows of ``T`` tokens each, in chunks of ``chunk_size``. ``x [R, T, H, P]``,
+    ``dt [R, T, H]`` (discretized), ``a [H]``, ``b, c [R, T, G, N]`` (per group), ``d [H]``,
+    ``h0 [R, H, P, N]``. Returns ``y [R, T, H, P]`` (fp32, ``D·x`` included) and the final
+    states (fp32)."""
+    heads, groups = x.shape[2], b.shape[2]
     x, b, c = x.float(), b.float(), c.float()
-    b = b.repeat_interleave(heads // groups, dim=1)
-    c = c.repeat_interleave(heads // groups, dim=1)
+    b = b.repeat_interleave(heads // groups, dim=2)
+    c = c.repeat_interleave(heads // groups, dim=2)
     state = h0.float()
     out = []
-    for s in range(0, x.shape[0], chunk_size):
+    for s in range(0, x.shape[1], chunk_size):
         e = s + chunk_size
-        y, state = ssd_chunk(x[s:e], dt[s:e], a, b[s:e], c[s:e], state)
+        y, state = ssd_chunk(x[:, s:e], dt[:, s:e], a, b[:, s:e], c[:, s:e], state)
         out.append(y)
-    y = torch.cat(out, dim=0) if out else x.new_zeros(x.shape)
+    y = torch.cat(out, dim=1) if out else x.new_zeros(x.shape)
     return y + x * d.float()[:, None], state
 
 
@@ -298,26 +300,45 @@ class Mamba2Mixer(nn.Module):
         if sum(extend_lens) != hidden.shape[0] or len(extend_lens) != conv_state.shape[0]:
             raise ValueError("extend_lens do not match the tokens or the states")
         z, xbc, dt = split_projection(self.in_proj(hidden), d)
-        weight = self.conv1d.weight.squeeze(1)
         dt, a = discretize(dt, self.dt_bias, self.A_log, d.time_step_limit)
+        if len(set(extend_lens)) == 1:
+            # Rows of one length (denoise steps and commits of block diffusion, a lone
+            # prefill): one batched pass, so the launches do not grow with the rows.
+            y, conv, ssm = self._rows(xbc, dt, a, conv_state, ssm_state, extend_lens[0])
+            return self._finish(y.reshape(-1, d.num_heads, d.head_dim), z, hidden.dtype), \
+                conv, ssm
         ys, convs, ssms = [], [], []
         start = 0
         for r, n in enumerate(extend_lens):
             rows = slice(start, start + n)
             start += n
-            xbc_r, conv_r = causal_conv(xbc[rows], conv_state[r], weight, self.conv1d.bias)
-            x, b, c = xbc_r.split([d.intermediate_size, d.n_groups * d.d_state,
-                                   d.n_groups * d.d_state], dim=-1)
-            y, h = ssd_scan(x.view(n, d.num_heads, d.head_dim), dt[rows], a,
-                            b.view(n, d.n_groups, d.d_state), c.view(n, d.n_groups, d.d_state),
-                            self.D, ssm_state[r], d.chunk_size)
-            ys.append(y)
-            convs.append(conv_r.to(conv_state.dtype))
-            ssms.append(h.to(ssm_state.dtype))
+            y, conv, ssm = self._rows(xbc[rows], dt[rows], a, conv_state[r:r + 1],
+                                      ssm_state[r:r + 1], n)
+            ys.append(y[0])
+            convs.append(conv)
+            ssms.append(ssm)
         y = torch.cat(ys, dim=0) if ys else hidden.new_zeros(0, d.num_heads, d.head_dim)
         return (self._finish(y, z, hidden.dtype),
-                torch.stack(convs) if convs else conv_state.clone(),
-                torch.stack(ssms) if ssms else ssm_state.clone())
+                torch.cat(convs) if convs else conv_state.clone(),
+                torch.cat(ssms) if ssms else ssm_state.clone())
+
+    def _rows(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+              conv_state: torch.Tensor, ssm_state: torch.Tensor, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of ``n`` tokens each (token-major ``xbc [R·n, C]``, ``dt [R·n, H]``) from their
+        states → ``y [R, n, H, P]`` and the states after them (in the states' dtypes)."""
+        d = self.dims
+        rows = conv_state.shape[0]
+        xbc, conv = causal_conv(xbc.view(rows, n, xbc.shape[-1]), conv_state,
+                                self.conv1d.weight.squeeze(1), self.conv1d.bias)
+        x, b, c = xbc.split([d.intermediate_size, d.n_groups * d.d_state,
+                             d.n_groups * d.d_state], dim=-1)
+        y, h = ssd_scan(x.reshape(rows, n, d.num_heads, d.head_dim),
+                        dt.view(rows, n, dt.shape[-1]), a,
+                        b.reshape(rows, n, d.n_groups, d.d_state),
+                        c.reshape(rows, n, d.n_groups, d.d_state), self.D, ssm_state,
+                        d.chunk_size)
+        return y, conv.to(conv_state.dtype), h.to(ssm_state.dtype)
 
     def decode(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

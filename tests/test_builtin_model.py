@@ -64,6 +64,23 @@ def test_chat_command_uses_builtin_model(capsys):
     assert capsys.readouterr().out.strip() == "42"
 
 
+def test_chat_stats_line_reports_the_answer(builtin, capsys):
+    """``dllm chat --stats``: one line on stderr whose counts are the answer's own."""
+    assert cli_main(["chat", "--stats", "Sort these words: pear, apple, fig"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "apple, fig, pear"
+    m = re.fullmatch(r"\[(\d+) prompt \+ (\d+) output tokens, (\d+) forwards \((\d+) denoise, "
+                     r"(\d+) blocks\), ([\d.]+) tokens/forward, ([\d.]+) s, ([\d.]+) tokens/s\]",
+                     captured.err.strip())
+    assert m, captured.err
+    out = builtin.chat([{"role": "user", "content": "Sort these words: pear, apple, fig"}],
+                       SamplingParams(max_new_tokens=128, temperature=0.0))[0]
+    counts = [int(m.group(i)) for i in range(1, 6)]
+    assert counts == [out.prompt_tokens, out.completion_tokens, out.num_forward_passes,
+                      out.num_denoise_forwards, out.num_blocks]
+    assert float(m.group(6)) == round(out.completion_tokens / out.num_denoise_forwards, 2)
+
+
 def test_builtin_checkpoint_files():
     d = BUILTIN_MODEL_DIR
     assert (d / "model.safetensors").stat().st_size <= 16 * 2**20
