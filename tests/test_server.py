@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import socket
 import subprocess
@@ -109,7 +110,8 @@ def servers(long_sdar_dir, tmp_path_factory):
     """Both servers start at once (their start-up overlaps); one without and one with a key."""
     with running_servers(
             tmp_path_factory.mktemp("server-logs"),
-            (long_sdar_dir, "plain", ("--num-kv-pages", "2048")),
+            (long_sdar_dir, "plain", ("--num-kv-pages", "2048", "--log-stats-interval", "0.5",
+                                      "--log-level", "info")),
             (long_sdar_dir, "keyed", ("--api-key", API_KEY, "--served-model-name", "keyed-model",
                                       "other-name", "--num-kv-pages", "256", "--strict-fields",
                                       "--allowed-origins", "http://example.com"))
@@ -195,6 +197,30 @@ def test_health_and_models(http, model_name, long_sdar_dir):
     data = http.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [model_name]
     assert data[0]["root"] == long_sdar_dir
+
+
+def test_access_and_periodic_stats_log_lines(server, http):
+    """One info line per finished request (its id, token counts, forwards) and, every
+    ``--log-stats-interval`` seconds while there is work, the running/waiting/KV/throughput
+    line."""
+    r = http.post("/generate", json={"text": PROMPT, "rid": "log-probe", "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}).json()
+    meta = r["meta_info"]
+    access = (f"request log-probe: {meta['prompt_tokens']} prompt + "
+              f"{meta['completion_tokens']} output tokens, ")
+    stats = re.compile(r"running \d+, waiting \d+, KV cache [\d.]+% \((\d+)/(\d+) pages\), "
+                       r"([\d.]+) output tokens/s, ([\d.]+) prompt tokens/s")
+    deadline = time.monotonic() + 10
+    while True:
+        log = server.log.read_text(errors="replace")
+        found = [m for m in stats.finditer(log) if float(m.group(3)) > 0]
+        if access in log and found:
+            break
+        assert time.monotonic() < deadline, log[-3000:]
+        time.sleep(0.2)
+    line = log[log.index(access):].splitlines()[0]
+    assert re.search(r"\d+ forwards \([\d.]+ tokens/forward\), [\d.]+ s, length$", line), line
+    assert all(int(m.group(1)) <= int(m.group(2)) for m in found)
 
 
 def test_completion_usage_and_text(client, http, tokenizer, model_name):
@@ -641,10 +667,11 @@ def test_openai_client_n_echo_models_retrieve_and_unknown_fields(client, server)
         extra_headers={"X-Request-Id": "typo-request"})
     assert r.status_code == 200
     deadline = time.monotonic() + 10
-    while "typo-request" not in server.logs() and time.monotonic() < deadline:
+    while "typo-request" not in server.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
-    warned = [ln for ln in server.logs().splitlines() if "typo-request" in ln]
-    assert len(warned) == 1 and "WARNING" in warned[0], warned
+    warned = [ln for ln in server.log.read_text().splitlines()
+              if "typo-request" in ln and "WARNING" in ln]
+    assert len(warned) == 1, warned  # once per request
     assert "ignored unknown fields 'min_p', 'temperture'" in warned[0]
 
 
