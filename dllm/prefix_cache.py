@@ -64,6 +64,7 @@ class PrefixCache:
         self.num_states = 0  # state slots held by the tree
         self.evictable_pages = 0  # pages of unreferenced nodes
         self.evictable_states = 0
+        self.num_evicted_pages = 0  # pages returned to the pool by eviction, ever
 
     @staticmethod
     def chunk_for(page_size: int, block_size: int) -> int:
@@ -186,6 +187,7 @@ class PrefixCache:
         parent = node.parent
         del parent.children[node.key]
         self.kv_pool.free_pages(node.pages)
+        self.num_evicted_pages += len(node.pages)
         self.num_nodes -= 1
         self.num_pages -= len(node.pages)
         self.evictable_pages -= len(node.pages)
