@@ -41,6 +41,11 @@ class EngineStats:
     kv_used_pages: int = 0
     kv_total_pages: int = 0
     steps: int = 0
+    # The prefix cache: prompt tokens of the admitted requests (looked up), those it served
+    # (hits), and the KV pages it holds (in kv_used_pages only while a request uses them).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_pages: int = 0
 
 
 class RequestStream:
@@ -255,9 +260,13 @@ class AsyncLLM:
                     pass
 
     def _stats(self) -> EngineStats:
-        s, kv = self.engine.scheduler, self.engine.kv_pool
-        return EngineStats(len(s.running), len(s.waiting), kv.num_used_pages,
-                           kv.num_usable_pages, self.engine.step_count)
+        s, kv, cache = self.engine.scheduler, self.engine.kv_pool, self.engine.prefix_cache
+        # Cached pages no request uses are as good as free (evicted when a request needs them).
+        idle = cache.evictable_pages if cache is not None else 0
+        return EngineStats(len(s.running), len(s.waiting), kv.num_used_pages - idle,
+                           kv.num_usable_pages, self.engine.step_count,
+                           s.num_admitted_prompt_tokens, s.num_cached_prompt_tokens,
+                           cache.num_pages if cache is not None else 0)
 
     def _fail_all(self, exc: Exception) -> list[Req]:
         reqs = list(self.engine.scheduler.running.values()) + list(self.engine.scheduler.waiting)

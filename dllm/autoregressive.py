@@ -1,6 +1,8 @@
 """Autoregressive generation through the same scheduler, pools and runner (DESIGN §3):
 a causal ``EXTEND`` prefill (chunked by the token budget) whose last chunk samples the first
-token, then one ``DECODE`` row per request per step."""
+token, then one ``DECODE`` row per request per step. Prefix cache: admission takes the longest
+cached run of whole pages of the prompt but its last token; each prefill chunk's pages are
+inserted once its result is applied, and at the end every page whose tokens were all fed."""
 
 from __future__ import annotations
 
@@ -57,6 +59,14 @@ class AutoregressiveScheduler(Scheduler):
     that forward's sampled token on the device (``ScheduledBatch.carry``), at the position
     after it; a request sure to reach ``max_new_tokens`` with that token is not decoded."""
 
+    def match_limit(self, req: Req) -> int:
+        """The prompt but its last token, whose logits give the first output token."""
+        return req.prompt_len - 1
+
+    def cache_finished(self, req: Req) -> None:
+        """Every token fed so far has its KV written: all but the last output token."""
+        self.cache_prefix(req, req.committed_len - 1)
+
     def schedule(self) -> list[ScheduledBatch]:
         prefill = self.build_prefill()
         busy = set(prefill.rids) if prefill else set()
@@ -76,8 +86,9 @@ class AutoregressiveScheduler(Scheduler):
                                attention_mask=AttentionMask.CAUSAL, logits_mode=LogitsMode.LAST)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
-            batch.add_state(req.state_slot, req.state_slot)  # the chunk continues the state
-            batch.rows.append(Row(req))
+            track = self.track_slot(req, end)
+            batch.add_state(req.state_slot, req.state_slot, track)  # the chunk continues it
+            batch.rows.append(Row(req, track=track))
         batch.row_inputs.update(sampling_rows([req for req, _, _ in rows]))
         return batch
 
@@ -116,9 +127,11 @@ class AutoregressiveScheduler(Scheduler):
 
         def apply_row(i: int, req: Req) -> bool:
             req.num_forward_passes += 1
-            if (batch.mode is ForwardMode.EXTEND
-                    and batch.prefix_lens[i] + batch.extend_lens[i] < req.prompt_len):
-                return False  # a middle chunk: its logits are not used
+            if batch.mode is ForwardMode.EXTEND:
+                end = batch.prefix_lens[i] + batch.extend_lens[i]
+                self.cache_prefix(req, end, batch.rows[i].track)
+                if end < req.prompt_len:
+                    return False  # a middle chunk: its logits are not used
             self.commit_tokens(req, [tokens[i]])
             return True
 

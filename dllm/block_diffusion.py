@@ -23,6 +23,14 @@ temperature) and it joins the output at once; a prompt that ends on a block boun
 from its prefill's last-token logits. It sits at position 0 of the next block, fixed (never
 masked or edited, as in the reference).
 
+Prefix cache (``dllm.prefix_cache``): admission takes the longest cached run of whole prompt
+blocks (``match_limit``) and prefills only the rest; a prompt chunk's blocks are inserted once
+its prefill result is applied, a generated block once its commit forward's result is (its KV
+then comes from the final tokens). The partial last prompt block is never inserted from the
+prefill: the commit forward writes it. A hybrid's prefill chunk or commit forward that ends on
+the track grid also writes its state into the request's track slot, donated to the tree
+with the blocks.
+
 Hybrid models (a recurrent state, DESIGN §6): each request holds one committed state slot, the
 state after its committed tokens. A prompt prefill row reads and writes it (the SSM runs
 causally over the chunk); a denoise row reads it and writes slot 0 (nothing: every step is
@@ -62,6 +70,14 @@ class BlockDiffusionScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.logits_shift = logits_shift
 
+    def match_limit(self, req: Req) -> int:
+        """The full prompt blocks (the partial last one is denoised, never cached); with
+        shifted logits a prompt ending on a block boundary keeps one block to prefill, whose
+        last logits give the first token."""
+        if self.logits_shift and req.prefill_target == req.prompt_len:
+            return req.prompt_len - 1
+        return req.prefill_target
+
     def schedule(self) -> list[ScheduledBatch]:
         prefill = self.build_prefill()
         denoise = self.build_denoise([r for r in self.running.values() if not r.needs_prefill])
@@ -92,8 +108,9 @@ class BlockDiffusionScheduler(Scheduler):
                                logits_mode=LogitsMode.LAST if first_token else LogitsMode.NONE)
         for req, start, end in rows:
             batch.add_row(req.rid, req.req_pool_idx, req.prompt_ids[start:end], start)
-            batch.add_state(req.state_slot, req.state_slot)  # the chunk continues the state
-            batch.rows.append(Row(req))
+            track = self.track_slot(req, end)
+            batch.add_state(req.state_slot, req.state_slot, track)  # the chunk continues it
+            batch.rows.append(Row(req, track=track))
         return batch
 
     def launched_prefill(self, batch: ScheduledBatch, output: Any) -> None:
@@ -109,7 +126,9 @@ class BlockDiffusionScheduler(Scheduler):
 
         def apply_row(i: int, req: Req) -> bool:
             req.num_forward_passes += 1
-            if first is not None and batch.prefix_lens[i] + batch.extend_lens[i] == req.prompt_len:
+            end = batch.prefix_lens[i] + batch.extend_lens[i]
+            self.cache_prefix(req, end, batch.rows[i].track)  # whole prompt blocks: exact KV
+            if first is not None and end == req.prompt_len:
                 self.commit_tokens(req, [first[i]])
                 return True
             return False
@@ -161,7 +180,9 @@ class BlockDiffusionScheduler(Scheduler):
             # In flight on this block: its input is that forward's output, on the device.
             carried = blk.carry if req.inflight else None
             carry.add(carried)
-            gates.append(self._add_state(batch, req, blk, carried is not None))
+            gate, track = self._add_state(batch, req, blk, carried is not None)
+            gates.append(gate)
+            batch.rows[-1] = Row(req, blk, track)
         reqs = [req for req, _ in rows]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
@@ -178,19 +199,22 @@ class BlockDiffusionScheduler(Scheduler):
         return batch
 
     def _add_state(self, batch: ScheduledBatch, req: Req, blk: BlockState,
-                   carried: bool) -> torch.Tensor | None:
+                   carried: bool) -> tuple[torch.Tensor | None, int]:
         """A hybrid denoise row's state slots (module docstring); returns its write gate
-        (None: the host knows whether it writes)."""
+        (None: the host knows whether it writes) and its track slot (a commit forward ending
+        on the track grid also snapshots the state for the prefix cache; 0: none)."""
         if req.state_slot is None:
-            return None
+            return None, 0
         if blk.resolved:  # the commit forward
-            batch.add_state(req.state_slot, req.state_slot)
-            return None
+            track = self.track_slot(req, blk.start + req.block_size)
+            batch.add_state(req.state_slot, req.state_slot, track)
+            return None, track
         if carried and blk.carry_done is not None:  # the commit forward iff that row is done
-            batch.add_state(req.state_slot, req.state_slot)
-            return blk.carry_done
+            track = self.track_slot(req, blk.start + req.block_size)
+            batch.add_state(req.state_slot, req.state_slot, track)
+            return blk.carry_done, track
         batch.add_state(req.state_slot, 0)  # a denoise step: the state is discarded
-        return None
+        return None, 0
 
     def _one(self) -> torch.Tensor:
         one = getattr(self, "_one_tensor", None)
@@ -225,10 +249,12 @@ class BlockDiffusionScheduler(Scheduler):
         result = DenoisePost.read(output)
 
         def apply_row(r: int, req: Req) -> bool:
-            blk = batch.rows[r].block
+            blk, track = batch.rows[r].block, batch.rows[r].track
             req.num_forward_passes += 1
             if blk.resolved:  # resolved before this forward: it was the commit forward
                 req.num_commit_forwards += 1
+                # The block's KV (and state) come from its final tokens now: exact.
+                self.cache_prefix(req, blk.start + req.block_size, track)
                 if req.denoise.block is blk:
                     req.denoise.block = None
                 if self.logits_shift:
@@ -236,6 +262,7 @@ class BlockDiffusionScheduler(Scheduler):
                     return True
                 return False
             req.num_denoise_forwards += 1
+            req.track_busy.discard(track)  # gated off: a denoise step after all
             blk.tokens = result.tokens[r]
             blk.transfers += result.num_transferred[r]
             if result.done[r]:

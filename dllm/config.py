@@ -41,6 +41,13 @@ class EngineConfig:
         where the forward runs asynchronously).
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
+    enable_prefix_cache: reuse the KV (and a hybrid's state) of prompt prefixes other
+        requests left in the radix prefix cache (``dllm.prefix_cache``); on for the models
+        where reuse is exact (autoregressive and block-diffusion models, hybrids included),
+        never for full-attention dLLMs (LLaDA, Dream) or embeddings.
+    state_track_interval: hybrid models with the prefix cache snapshot their recurrent state
+        at every multiple of ``lcm(block size, page size, state_track_interval)`` tokens a
+        forward ends on (the only points a cached prefix of a hybrid can end).
     """
 
     # Each field is also a command-line flag (``dllm.cli_args``): ``--field-name`` unless
@@ -121,9 +128,18 @@ class EngineConfig:
         "help": "read each step's result before queueing the next (default on CUDA: the host "
                 "builds the next step while the device runs this one)"})
 
+    enable_prefix_cache: bool = field(default=True, metadata={
+        "flag": "--disable-prefix-cache", "const": False,
+        "help": "turn the radix prefix cache off (default on where reuse is exact: "
+                "autoregressive and block-diffusion models, hybrids included; full-attention "
+                "dLLMs never use it)"})
+    state_track_interval: int = field(default=256, metadata={
+        "help": "hybrid models with the prefix cache: snapshot the recurrent state at every "
+                "multiple of lcm(block size, page size, this) tokens"})
+
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens",
-                     "tensor_parallel_size", "nnodes"):
+                     "tensor_parallel_size", "nnodes", "state_track_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

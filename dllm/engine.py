@@ -9,6 +9,8 @@ The engine resolves the checkpoint (``dllm.checkpoint``), builds the request fac
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Sequence
 
 from dllm.autoregressive import AutoregressiveScheduler
@@ -21,6 +23,7 @@ from dllm.full_diffusion import FullDiffusionScheduler
 from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.pipeline import Isolation, OverlapPipeline
+from dllm.prefix_cache import PrefixCache
 from dllm.request import Req
 from dllm.requests import Prompt, RequestFactory, generation_layout, resolve_task
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch, StepKind
@@ -31,6 +34,8 @@ from dllm.stop import StopChecker
 from dllm.tokenizer import load_tokenizer
 
 __all__ = ["Engine", "Prompt", "embed_inputs"]
+
+logger = logging.getLogger(__name__)
 
 
 def embed_inputs(texts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
@@ -61,6 +66,14 @@ class Engine:
         self.full_attention, self.canvas_block_size = layout.full_attention, layout.canvas_block_size
         self.algorithm_name, self.algorithm_config = layout.algorithm_name, layout.algorithm_config
         self.context_length = self.info.context_length
+        overlap = (cfg.overlap_schedule if cfg.overlap_schedule is not None
+                   else self.device.type == "cuda")
+        self.prefix_cache_reason = self._prefix_cache_off_reason()
+        if self.prefix_cache_reason and cfg.enable_prefix_cache:
+            logger.info("prefix cache: off (%s)", self.prefix_cache_reason)
+        # Hybrids: track slots per request (two under the overlap schedule: the next step
+        # may write one while the host still reads the other's result).
+        self.num_track_slots = (2 if overlap else 1) if self.prefix_cache_enabled else 0
         self.runner = ModelRunner(self._runner_config(path), step_specs(
             self.mask_token_id, self.info.spec.logits_shift, lambda: self.model.compute_logits),
             lambda r: register_inputs(r, full_attention=self.full_attention))
@@ -77,11 +90,27 @@ class Engine:
                                                    self.requests.apply_chat_template)
         self.isolation = Isolation(self.runner, self.scheduler, self.req_pool,
                                    self.ranks.check_peers)
-        self.pipeline = OverlapPipeline(self.isolation, cfg.overlap_schedule
-                                        if cfg.overlap_schedule is not None
-                                        else self.device.type == "cuda")
+        self.pipeline = OverlapPipeline(self.isolation, overlap)
 
     # ---- setup -------------------------------------------------------------------------
+    def _prefix_cache_off_reason(self) -> str:
+        """Why this engine runs without the prefix cache ('' if it runs with it)."""
+        kind = self.info.spec.kind
+        if not self.config.enable_prefix_cache:
+            return "--disable-prefix-cache"
+        if self.task != "generate":
+            return "embeddings: each request is one prefill, nothing to reuse"
+        if kind == "full_diffusion" or self.full_attention:
+            return (f"{self.info.architecture} attends to the whole sequence, masked tail "
+                    "included: a prefix's KV depends on what follows it, so none is exact")
+        if kind not in ("causal_lm", "block_diffusion"):
+            return f"{kind} models are not cached"
+        return ""
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        return not self.prefix_cache_reason
+
     def _runner_config(self, path: str) -> RunnerConfig:
         cfg, kind = self.config, self.info.spec.kind
         graph_kind = ({"block_diffusion": StepKind.DENOISE, "causal_lm": StepKind.SAMPLE}
@@ -96,23 +125,32 @@ class Engine:
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, tp_rank=self.ranks.rank,
-            tp_size=self.ranks.world)
+            tp_size=self.ranks.world,
+            # committed + track slots per request, and one more for the cache's snapshots
+            state_slots_per_request=2 + self.num_track_slots if self.num_track_slots else 1)
 
     def _make_scheduler(self, path: str) -> Scheduler:
         cfg, spec = self.config, self.info.spec
+        page, state_pool = self.kv_pool.page_size, self.runner.state_pool
         sc = SchedulerConfig(cfg.max_running_requests, cfg.max_prefill_tokens, self.block_size,
-                             self.mask_token_id)
+                             self.mask_token_id,
+                             track_grid=math.lcm(self.block_size, page, cfg.state_track_interval),
+                             num_track_slots=self.num_track_slots)
+        self.prefix_cache = (PrefixCache(self.kv_pool, PrefixCache.chunk_for(page, self.block_size),
+                                         state_pool)
+                             if self.prefix_cache_enabled else None)
         args = (sc, self.req_pool, self.kv_pool,
-                StopChecker(self.tokenizer, self.info.eos_token_ids), self.runner.state_pool)
+                StopChecker(self.tokenizer, self.info.eos_token_ids), state_pool)
+        kw = {"prefix_cache": self.prefix_cache}
         if self.task == "embed":
             return EmbeddingScheduler(*args, pooling=PoolingConfig.from_checkpoint(path))
         if spec.recurrent_state and spec.kind == "full_diffusion":
             raise NotImplementedError(f"{self.info.architecture}: full-attention diffusion "
                                       "over a recurrent state is not served (no such model)")
         if spec.kind == "causal_lm":
-            return AutoregressiveScheduler(*args)
+            return AutoregressiveScheduler(*args, **kw)
         if spec.kind == "block_diffusion":
-            return BlockDiffusionScheduler(*args, logits_shift=spec.logits_shift)
+            return BlockDiffusionScheduler(*args, logits_shift=spec.logits_shift, **kw)
         if spec.kind == "full_diffusion":
             return FullDiffusionScheduler(*args, logits_shift=spec.logits_shift)
         raise NotImplementedError(f"{self.info.architecture} ({spec.kind}) is not served yet")
@@ -184,12 +222,22 @@ class Engine:
         return EmbeddingOutput.of(req)
 
     def check_memory(self) -> None:
-        """Raise ``AssertionError`` if any KV page, request slot or state slot leaked."""
+        """Raise ``AssertionError`` if any KV page, request slot or state slot leaked (with
+        no request left, every page and slot is free or held by the prefix cache)."""
         self.scheduler.check_memory()
         if not self.has_work:
-            assert self.kv_pool.num_free_pages == self.kv_pool.num_usable_pages
+            cache = self.prefix_cache
+            pages, states = cache.held() if cache is not None else ([], [])
+            assert self.kv_pool.num_free_pages + len(pages) == self.kv_pool.num_usable_pages
+            assert cache is None or (cache.evictable_pages == len(pages)
+                                     and cache.evictable_states == len(states))
             state = self.runner.state_pool
-            assert state is None or state.num_free == state.num_slots
+            assert state is None or state.num_free + len(states) == state.num_slots
+
+    def clear_prefix_cache(self) -> None:
+        """Evict every prefix-cache node no running request uses."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def run_to_completion(self, reqs: Sequence[Req]) -> list[RequestOutput]:
         for req in reqs:

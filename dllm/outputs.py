@@ -22,6 +22,7 @@ class RequestOutput:
     num_blocks: int = 0
     error: str | None = None
     prompt_token_ids: list[int] | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
 
     @classmethod
     def of(cls, req: Req, text: str) -> RequestOutput:
@@ -31,7 +32,8 @@ class RequestOutput:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=req.prompt_len, num_forward_passes=req.num_forward_passes,
             num_denoise_forwards=req.num_denoise_forwards, num_blocks=req.num_blocks_committed,
-            error=req.error, prompt_token_ids=list(req.prompt_ids))
+            error=req.error, prompt_token_ids=list(req.prompt_ids),
+            cached_tokens=req.cached_tokens)
 
     @property
     def completion_tokens(self) -> int:

@@ -123,6 +123,16 @@ class Req:
     kv_pages: list[int] = field(default_factory=list)
     # Hybrid models: the request's committed recurrent-state slot (``MambaStatePool``).
     state_slot: int | None = None
+    # Prefix cache (``dllm.prefix_cache``): the deepest tree node the request locks, the pages
+    # of ``kv_pages`` the tree owns (never freed by the request), and the prompt tokens its
+    # admission found cached (not prefilled).
+    prefix_node: Any = field(default=None, repr=False)
+    tree_pages: set[int] = field(default_factory=set, repr=False)
+    cached_tokens: int = 0
+    # Hybrid models with the prefix cache: the track slots a forward ending on the track grid
+    # writes its state into (the extra buffers), and those a launched forward is writing.
+    track_slots: list[int] = field(default_factory=list)
+    track_busy: set[int] = field(default_factory=set, repr=False)
     # Progress.
     prefilled_len: int = 0  # prompt tokens whose KV is cached (or queued to be: stream order)
     # Forwards launched for this request whose result the host has not applied yet (at most

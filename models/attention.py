@@ -68,6 +68,9 @@ class StateBatch(Batch, Protocol):
     state_pool: StatePoolLike | None
     state_read_slots: torch.Tensor | None  # [bs] int64
     state_write_slots: torch.Tensor | None  # [bs] int64
+    # Optional: where the state after each row is also written (the prefix cache's track
+    # slots; 0 for rows that keep no snapshot), or None.
+    state_track_slots: torch.Tensor | None  # [bs] int64
     extend_lens_cpu: list[int]
 
     @property

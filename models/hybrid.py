@@ -4,7 +4,8 @@ model contract the runner reads (``compute_logits``, ``kv_cache_spec``, ``state_
 
 A Mamba layer reads each row's state from ``state_read_slots``, runs the mixer
 (``dllm.models.mamba2``: the recurrence of a whole row from that state, or one token a row
-in ``DECODE``) and writes the state after the row to ``state_write_slots``. The forward modes
+in ``DECODE``) and writes the state after the row to ``state_write_slots`` (and, for the
+prefix cache, to ``state_track_slots`` where the batch has them). The forward modes
 differ only in those indices (DESIGN §6): an autoregressive prefill chunk or decode step
 reads and writes the request's committed slot; a block-diffusion denoise step writes
 to slot 0, the padding slot, so the committed state stays as it was. Reads are gathers
@@ -49,8 +50,13 @@ class Mamba2Layer(Mamba2Mixer):
             out, conv, ssm = self.decode(hidden, conv, ssm)
         else:
             out, conv, ssm = self(hidden, conv, ssm, batch.extend_lens_cpu)
-        conv_pool.index_copy_(0, write, conv.to(conv_pool.dtype))
-        ssm_pool.index_copy_(0, write, ssm.to(ssm_pool.dtype))
+        conv, ssm = conv.to(conv_pool.dtype), ssm.to(ssm_pool.dtype)
+        conv_pool.index_copy_(0, write, conv)
+        ssm_pool.index_copy_(0, write, ssm)
+        track = getattr(batch, "state_track_slots", None)
+        if track is not None:  # the prefix cache's snapshot (slot 0 for rows that keep none)
+            conv_pool.index_copy_(0, track, conv)
+            ssm_pool.index_copy_(0, track, ssm)
         return out
 
 

@@ -210,6 +210,7 @@ class CudaGraphRunner(Runner):
             table_version=batch.table_version, carry=batch.carry, kind=batch.kind,
             state_read_slots=list(batch.state_read_slots),
             state_write_slots=list(batch.state_write_slots),
+            state_track_slots=list(batch.state_track_slots),
             state_write_gate=batch.state_write_gate,  # its real rows only: padding writes 0
         )
         for i in range(n):
@@ -242,7 +243,8 @@ def _flags(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
 
 
 _CORE = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens",
-         "extend_lens", "seq_lens", "state_read_slots", "state_write_slots")
+         "extend_lens", "seq_lens", "state_read_slots", "state_write_slots",
+         "state_track_slots")
 
 
 def _detach(output: Any) -> Any:

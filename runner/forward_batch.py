@@ -93,6 +93,10 @@ class ForwardBatch:
     state_pool: MambaStatePool | None = None
     state_read_slots: torch.Tensor | None = None  # [bs] int64
     state_write_slots: torch.Tensor | None = None  # [bs] int64
+    # The prefix cache's track slots: each row's state is also written there (0: nowhere
+    # that matters, the padding slot). None when no row of the batch tracks (and the mode is
+    # not one a CUDA graph captures with them).
+    state_track_slots: torch.Tensor | None = None  # [bs] int64
 
     @property
     def is_decode(self) -> bool:
@@ -169,11 +173,14 @@ class ScheduledBatch(Generic[RowT]):
     # model has no recurrent state (``ForwardBatch.state_read_slots``).
     state_read_slots: list[int] = field(default_factory=list)
     state_write_slots: list[int] = field(default_factory=list)
+    # The prefix cache's track slot of each row (0: none): a row that ends on the track grid
+    # also writes the state after it there, in the same forward (DESIGN §6).
+    state_track_slots: list[int] = field(default_factory=list)
     # Overlapped scheduling over a hybrid: ``[bs]`` int64 0/1 on the device, or None. Row i
     # writes its state to ``state_write_slots[i]`` only where the gate is 1, else to slot 0
     # (a block-diffusion row whose block may have resolved in the forward still in flight:
     # it is the block's commit forward exactly when that forward finished the block, which
-    # only the device knows yet). The registry multiplies the write slots by it.
+    # only the device knows yet). The registry multiplies the write and track slots by it.
     state_write_gate: torch.Tensor | None = None
     # The scheduler's own object of each row (``RowT``: ``dllm.scheduler.Row``, the request
     # and the block it denoises), handed back with the batch when its result is applied; the
@@ -204,12 +211,13 @@ class ScheduledBatch(Generic[RowT]):
         self.extend_lens.append(n)
         self.seq_lens.append(start + n if seq_len is None else seq_len)
 
-    def add_state(self, read: int | None, write: int | None) -> None:
+    def add_state(self, read: int | None, write: int | None, track: int = 0) -> None:
         """The state slots of the row just added (hybrid models; None: the model has no
-        state pool, nothing is recorded)."""
+        state pool, nothing is recorded); ``track``: its prefix-cache track slot (0: none)."""
         if read is not None:
             self.state_read_slots.append(read)
             self.state_write_slots.append(0 if write is None else write)
+            self.state_track_slots.append(track)
 
     def state_writers(self) -> list[int]:
         """The rows whose forward may write recurrent state (a write slot other than 0; a
@@ -230,6 +238,7 @@ class ScheduledBatch(Generic[RowT]):
             row_groups=self.row_groups[i : i + 1], carry=self.carry,
             state_read_slots=self.state_read_slots[i : i + 1],
             state_write_slots=self.state_write_slots[i : i + 1],
+            state_track_slots=self.state_track_slots[i : i + 1],
             state_write_gate=(None if self.state_write_gate is None
                               else self.state_write_gate[i : i + 1]),
             rows=self.rows[i : i + 1],

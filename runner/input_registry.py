@@ -34,10 +34,12 @@ CORE_FIELDS: dict[str, Field] = {
     "extend_lens": Field("reqs", torch.int64, 1),
     "seq_lens": Field("reqs", torch.int64, 1),
 }
-# Hybrid models' state slots per row (read, write); padding rows use slot 0, the padding slot.
+# Hybrid models' state slots per row (read, write, and the prefix cache's track slot);
+# padding rows, and rows that track nothing, use slot 0, the padding slot.
 STATE_FIELDS: dict[str, Field] = {
     "state_read_slots": Field("reqs", torch.int64, 0),
     "state_write_slots": Field("reqs", torch.int64, 0),
+    "state_track_slots": Field("reqs", torch.int64, 0),
 }
 
 
@@ -188,6 +190,7 @@ class InputRegistry:
             "extend_lens": batch.extend_lens, "seq_lens": batch.seq_lens,
             "state_read_slots": batch.state_read_slots,
             "state_write_slots": batch.state_write_slots,
+            "state_track_slots": batch.state_track_slots,
         }
         if out_cache_loc is not None:
             host_values["out_cache_loc"] = out_cache_loc
@@ -213,6 +216,7 @@ class InputRegistry:
         if batch.state_write_gate is not None:  # after the host values landed (stream order)
             gate = batch.state_write_gate
             self.buffers["state_write_slots"][: len(gate)].mul_(gate)
+            self.buffers["state_track_slots"][: len(gate)].mul_(gate)
         if not self._staged_on_device(batch, views, req_to_token, out_cache_loc is None):
             if batch.carry is not None:
                 self._gather_carry(batch, views["input_ids"])
@@ -252,4 +256,9 @@ class InputRegistry:
             layout_key=key,
             state_read_slots=self.buffers["state_read_slots"][:pbs],
             state_write_slots=self.buffers["state_write_slots"][:pbs],
+            # Always for denoise/commit steps (CUDA graphs capture the track write), else
+            # only when a row tracks (a decode step never does).
+            state_track_slots=(self.buffers["state_track_slots"][:pbs]
+                               if batch.mode is ForwardMode.DLLM_EXTEND
+                               or any(batch.state_track_slots) else None),
         )

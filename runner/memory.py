@@ -138,7 +138,8 @@ class MambaStatePool:
     ``[slots, conv_dim, K − 1]`` (the model dtype) and an SSM state ``[slots, heads, head_dim,
     d_state]`` (``spec.ssm_dtype``, fp32), one slot per running request — its *committed*
     state: the state after every token it has fed so far (the prompt chunks prefilled, the
-    tokens decoded).
+    tokens decoded) — and, with the prefix cache, its *track* slots (the extra buffers a
+    forward ending on the track grid also writes) and the snapshots the prefix tree holds.
 
     Slot 0 is the padding slot: padding rows of a CUDA-graph batch read and write it, and a
     forward whose state must be discarded (a block-diffusion denoise step) writes there, so
@@ -189,6 +190,15 @@ class MambaStatePool:
             conv[slot].zero_()
             ssm[slot].zero_()
         return slot
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot ``dst`` becomes a copy of slot ``src`` in every layer (a prefix-cache hit
+        restoring a snapshot into a request's committed slot): device copies queued on the
+        current stream, so they land after every forward already launched (the one that
+        wrote ``src``) and before the next one (which reads ``dst``)."""
+        for conv, ssm in zip(self.conv, self.ssm, strict=True):
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
 
     def free(self, slot: int) -> None:
         if slot == self.PADDING_SLOT or slot in self._free:

@@ -83,6 +83,9 @@ class RunnerConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     tp_rank: int = 0  # this rank among the tensor-parallel ranks (``dllm.models.parallel``)
     tp_size: int = 1
+    # Hybrid models: recurrent-state slots per running request (the committed slot, and with
+    # the prefix cache its track slots and room for the cache's snapshots).
+    state_slots_per_request: int = 1
 
 
 class Runner(ABC):
@@ -156,8 +159,8 @@ class ModelRunner:
                     self.kv_pool.memory_bytes() / 2**20)
 
     def _init_state_pool(self, budget: float | None) -> int:
-        """The recurrent-state pool of a hybrid model (None otherwise): one slot per running
-        request, out of the same memory budget as the KV cache (``budget`` bytes; None: the
+        """The recurrent-state pool of a hybrid model (None otherwise):
+        ``state_slots_per_request`` slots per running request, out of the same memory budget as the KV cache (``budget`` bytes; None: the
         KV pages are fixed, the slots are not limited). The slots take at most half the
         budget; fewer slots than ``max_running_requests`` then bound the running requests
         (admission waits for a free slot). Returns the bytes the pool holds."""
@@ -173,7 +176,7 @@ class ModelRunner:
         conv, ssm = dims.conv_state_shape(1)[1:], dims.ssm_state_shape(1)[1:]
         per_slot = MambaStatePool.bytes_per_slot(spec.num_layers, conv, ssm, cfg.dtype,
                                                  spec.ssm_dtype)
-        slots = cfg.max_running_requests
+        slots = cfg.max_running_requests * cfg.state_slots_per_request
         if budget is not None and per_slot:
             slots = min(slots, int(budget / 2 // per_slot))
             if slots < 1:

@@ -185,7 +185,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if state.llm is not None and state.serving is not None:
             s = state.llm.stats  # kept by the engine thread: no lock, no wait for a step
             state.metrics.set_engine_stats(s.running, s.waiting, s.kv_used_pages,
-                                           s.kv_total_pages)
+                                           s.kv_total_pages, s.prefix_cache_queries,
+                                           s.prefix_cache_hits, s.prefix_cache_pages)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     def model_card(s: Serving, name: str) -> dict[str, Any]:

@@ -40,7 +40,9 @@ class ServerMetrics:
                              registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "Fraction of usable KV pages in use "
                               "(0 to 1).", registry=r)
-        self.kv_used = Gauge(f"{p}kv_cache_used_pages", "KV pages in use.", registry=r)
+        self.kv_used = Gauge(f"{p}kv_cache_used_pages", "KV pages in use by requests (prefix-"
+                             "cache pages no request uses count as free: they are evicted "
+                             "when needed).", registry=r)
         self.kv_total = Gauge(f"{p}kv_cache_total_pages", "Usable KV pages.", registry=r)
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished "
                                      "requests.", registry=r)
@@ -61,6 +63,17 @@ class ServerMetrics:
         self.tokens_per_forward = Histogram(
             f"{p}tokens_per_forward", "Tokens committed per model forward, one observation "
             "per finished request.", buckets=TOKENS_PER_FORWARD_BUCKETS, registry=r)
+        self.cache_queries = Counter(
+            f"{p}prefix_cache_queries", "Prompt tokens of admitted requests, looked up in the "
+            "prefix cache.", registry=r)
+        self.cache_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens the prefix cache "
+                                  "served (not prefilled).", registry=r)
+        self.cache_hit_rate = Gauge(f"{p}prefix_cache_hit_rate", "prefix_cache_hits over "
+                                    "prefix_cache_queries since the start (0 to 1).", registry=r)
+        self.cache_pages = Gauge(f"{p}prefix_cache_pages", "KV pages the prefix cache holds "
+                                 "(those no request uses are evicted when needed).",
+                                 registry=r)
+        self._cache_seen = (0, 0)  # the engine's totals at the last scrape
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(finished_reason=reason)
 
@@ -91,7 +104,17 @@ class ServerMetrics:
 
     # ---- engine gauges -------------------------------------------------------------------
     def set_engine_stats(self, running: int, waiting: int, used_pages: int,
-                         total_pages: int) -> None:
+                         total_pages: int, cache_queries: int = 0, cache_hits: int = 0,
+                         cache_pages: int = 0) -> None:
+        """The engine's gauges, and its prefix-cache totals (the counters advance by what
+        the engine counted since the last scrape)."""
+        seen_q, seen_h = self._cache_seen
+        if cache_queries > seen_q or cache_hits > seen_h:
+            self.cache_queries.inc(max(cache_queries - seen_q, 0))
+            self.cache_hits.inc(max(cache_hits - seen_h, 0))
+            self._cache_seen = (max(cache_queries, seen_q), max(cache_hits, seen_h))
+        self.cache_hit_rate.set(cache_hits / cache_queries if cache_queries else 0.0)
+        self.cache_pages.set(cache_pages)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_used.set(used_pages)

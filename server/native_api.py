@@ -85,7 +85,7 @@ class NativeServing:
 def result(req: Req, out: RequestOutput, seconds: float) -> Obj:
     return {"text": out.text, "output_ids": out.token_ids, "meta_info": {
         "id": out.rid, "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
+        "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
         "finish_reason": finish_reason(out, req),
         "num_forward_passes": out.num_forward_passes,
         "num_denoise_forwards": out.num_denoise_forwards,

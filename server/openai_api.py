@@ -279,8 +279,11 @@ def generation_failed(out: RequestOutput | None) -> APIError:
 def usage(outs: list[RequestOutput]) -> Chunk:
     prompt = sum(o.prompt_tokens for o in outs)
     completion = sum(o.completion_tokens for o in outs)
+    # As OpenAI reports it: the prompt tokens served by the prefix cache (not prefilled).
+    cached = sum(o.cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -45,6 +45,8 @@ ENGINE_FLAGS = {
     "--nnodes": ("nnodes", 1, "int", None, None, None),
     "--node-rank": ("node_rank", 0, "int", None, None, None),
     "--dist-init-addr": ("dist_init_addr", None, None, None, None, None),
+    "--disable-prefix-cache": ("enable_prefix_cache", True, None, None, 0, False),
+    "--state-track-interval": ("state_track_interval", 256, "int", None, None, None),
 }
 # Other spellings users bring from vLLM and SGLang.
 ENGINE_ALIASES = {"--context-length": ["--max-model-len"],

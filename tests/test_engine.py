@@ -141,7 +141,8 @@ def test_batch_invariance_with_staggered_arrivals(llm):
 
 def test_abort_mid_block_frees_memory(llm):
     e = llm.engine
-    req = e.make_request(prompt_of(6), SamplingParams(max_new_tokens=40, ignore_eos=True,
+    # A prompt no other test sends: its first step is its prefill (nothing cached).
+    req = e.make_request(prompt_of(6, salt=99), SamplingParams(max_new_tokens=40, ignore_eos=True,
                                                       dllm={"algorithm": "low_confidence_static",
                                                             "steps_per_block": 4}))
     e.add_request(req)
@@ -152,6 +153,7 @@ def test_abort_mid_block_frees_memory(llm):
     e.abort(req.rid)
     assert req.finish_reason is FinishReason.ABORT
     e.check_memory()
+    e.clear_prefix_cache()
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
 
 
@@ -172,6 +174,7 @@ def test_error_in_one_request_spares_the_others(llm):
     assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids] == alone
     e.check_memory()
+    e.clear_prefix_cache()  # the prefix cache's pages, freed
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
 
 
@@ -182,6 +185,7 @@ def test_many_requests_small_running_limit(sdar_dir):
     assert len(outs) == 200
     assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in outs)
     llm.engine.check_memory()
+    llm.engine.clear_prefix_cache()  # the prefix cache's pages, freed
     assert llm.engine.kv_pool.num_free_pages == llm.engine.kv_pool.num_usable_pages
 
 

@@ -460,3 +460,36 @@ def test_programmatic_dependent_launch_changes_no_bits():
     for a, b in zip(plain_kv, graph_kv, strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(plain_kv, pdl_kv, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["sdar", "granite-h-bd"])
+def test_prefix_cache_with_cuda_graphs_equals_no_cache(tmp_path, kind):
+    """Issue 21 on the GPU (not yet run on one when written): CUDA graphs and the overlap
+    schedule with the prefix cache (the hybrid's commit forwards write their track slot
+    inside the captured denoise graph) give the tokens of the same engine without the
+    cache, for prompts sharing a 2-chunk prefix that arrive after it is cached."""
+    from dllm.testing.factory import make_tiny_hybrid_checkpoint
+
+    if kind == "sdar":
+        path = str(make_tiny_checkpoint("SDARForCausalLM", tmp_path, seed=0, hidden_size=256,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        head_dim=128))
+    else:
+        path = str(make_tiny_hybrid_checkpoint(kind, tmp_path, hidden_size=256,
+                                               num_attention_heads=2, num_key_value_heads=1,
+                                               mamba_n_heads=32))
+    kw = dict(device="cuda", dtype="bfloat16", max_running_requests=8, page_size=16,
+              state_track_interval=16)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(10, 200, (33,), generator=g).tolist()
+    ps = [shared + torch.randint(10, 200, (k,), generator=g).tolist() for k in (0, 3, 8, 17)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    on, off = LLM(path, **kw), LLM(path, enable_prefix_cache=False, **kw)
+    assert on.engine.runner.runners[0] is not on.engine.runner.eager  # graphs captured
+    got = [o.token_ids for o in on.generate(ps[:1], params)]
+    outs = on.generate(ps[1:], params)
+    got += [o.token_ids for o in outs]
+    assert all(o.cached_tokens == 32 for o in outs)
+    want = [o.token_ids for o in off.generate(ps[:1], params) + off.generate(ps[1:], params)]
+    assert got == want
+    on.engine.check_memory()

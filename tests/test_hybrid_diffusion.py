@@ -164,7 +164,8 @@ def test_no_slot_leaks_after_finish_abort_and_error(path) -> None:
     """Four requests with room for two: one finishes, one is aborted mid-block, one fails in
     its forward (a poison token inside its first denoise block), one waits and is aborted
     before admission; every state slot, KV page and request slot is free at the end."""
-    llm = LLM(str(path), page_size=4, max_running_requests=2)
+    # One state slot per request (no prefix cache, whose track slots and snapshots add more).
+    llm = LLM(str(path), page_size=4, max_running_requests=2, enable_prefix_cache=False)
     e = llm.engine
     p = params_of("low_confidence_static", n=12)
     keep_prompt = prompt_of(6, salt=7)
@@ -189,6 +190,7 @@ def test_no_slot_leaks_after_finish_abort_and_error(path) -> None:
     assert fail.finish_reason is FinishReason.ERROR and "injected failure" in fail.error
     e.check_memory()
     assert e.runner.state_pool.num_free == e.runner.state_pool.num_slots == 2
+    e.clear_prefix_cache()  # the prefix cache's pages, freed
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
 
 

@@ -57,7 +57,9 @@ def test_greedy_equals_the_vectors_alone_and_batched(hybrid) -> None:
     assert [o.num_forward_passes for o in outs] == [16] * 3  # one prefill, 15 decodes
     llm.engine.check_memory()
     pool = llm.engine.runner.state_pool
-    assert pool.num_slots == 8 and pool.num_free == 8
+    # per request: committed, a track slot, one for the prefix cache's snapshots
+    assert pool.num_slots == 8 * 3
+    assert pool.num_free + len(llm.engine.prefix_cache.held()[1]) == pool.num_slots
 
 
 def test_staggered_arrivals_and_chunked_prefill(hybrid) -> None:
@@ -170,7 +172,8 @@ def test_no_slot_leaks_after_finish_abort_and_error(tmp_path) -> None:
     the others finish with the vectors' tokens, and every state slot, KV page and request
     slot is free again."""
     record, path = checkpoint_of("granite_h_micro", tmp_path)
-    e = LLM(str(path), page_size=4, max_running_requests=2).engine
+    # One state slot per request (no prefix cache, whose track slots and snapshots add more).
+    e = LLM(str(path), page_size=4, max_running_requests=2, enable_prefix_cache=False).engine
     prompts = record["prompts"]
     bad = [int(prompts[2][0])] * 3 + [400]  # 400 is in no other prompt or output
     assert all(400 not in p + o for p, o in zip(prompts, record["outputs"], strict=True))

@@ -61,6 +61,7 @@ def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams], staggered: 
     finally:
         e.runner.forward = forward
     e.check_memory()
+    e.clear_prefix_cache()  # the prefix cache's pages, freed
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
     outs = [(r.output_ids, r.num_forward_passes, r.num_denoise_forwards,
              r.num_commit_forwards, r.num_blocks_committed, r.finish_reason) for r in reqs]
@@ -93,6 +94,7 @@ def test_block_diffusion_overlap_with_stops(sdar_dir):
     over, plain = pair(sdar_dir, max_running_requests=4, page_size=4)
     ps = prompts(8, seed=1)
     free = [o.token_ids for o in plain.generate(ps, params_list(8, 12))]
+    plain.engine.clear_prefix_cache()  # both runs below prefill (equal forward counts)
     text = plain.engine.tokenizer.decode(free[0][4:7])
     params = params_list(8, 12, stop_token_ids=[free[i][5 + i] for i in (1, 3, 6)],
                          stop=[text])
@@ -174,6 +176,7 @@ def test_abort_while_in_flight_frees_memory(sdar_dir):
     while any(not r.finished for r in reqs):
         e.step()
     e.check_memory()
+    e.clear_prefix_cache()  # the prefix cache's pages, freed
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
     alone = LLM(over.engine.config.model, max_running_requests=4, page_size=4).generate(
         [r.prompt_ids for r in (reqs[0], reqs[2])], SamplingParams(max_new_tokens=30,
@@ -222,6 +225,7 @@ def test_async_streams_under_overlap_equal_plain_outputs(sdar_dir):
         assert all(streamed == final for streamed, final in got)
         e = a.engine
         a.call_in_engine(lambda engine: engine.check_memory())
+        e.clear_prefix_cache()  # the prefix cache's pages, freed
         assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
     finally:
         a.shutdown()

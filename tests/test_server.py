@@ -578,6 +578,29 @@ def test_metrics_series(http, client, model_name):
     assert m["dllm:denoise_forwards_per_block_sum"] >= m["dllm:denoise_forwards_per_block_count"]
 
 
+def test_prefix_cache_usage_and_metrics(http, client, model_name):
+    """A prompt sent twice: the second answer reports the prompt tokens the prefix cache
+    served as ``usage.prompt_tokens_details.cached_tokens`` (whole chunks of lcm(page 16,
+    block 4) tokens, the partial last block excluded), and ``/metrics`` counts them."""
+    prompt = list(range(30, 30 + 2 * 16 + 2))  # 2 whole 16-token chunks and 2 tokens
+    before = metrics_of(http)
+    first = client.completions.create(model=model_name, prompt=prompt, max_tokens=4)
+    second = client.completions.create(model=model_name, prompt=prompt, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    after = wait_idle(http)
+    for name in ("dllm:prefix_cache_queries_total", "dllm:prefix_cache_hits_total",
+                 "dllm:prefix_cache_hit_rate", "dllm:prefix_cache_pages"):
+        assert name in after, name
+    assert (after["dllm:prefix_cache_hits_total"]
+            - before.get("dllm:prefix_cache_hits_total", 0)) == 32
+    assert (after["dllm:prefix_cache_queries_total"]
+            - before.get("dllm:prefix_cache_queries_total", 0)) == 68
+    assert 0 < after["dllm:prefix_cache_hit_rate"] <= 1
+    assert after["dllm:prefix_cache_pages"] >= 2
+    assert after["dllm:kv_cache_used_pages"] == 0  # cached pages no request uses are free
+
+
 # ---- load -----------------------------------------------------------------------------------
 def test_100_concurrent_streams(server, http):
     async def one(c: httpx.AsyncClient, i: int) -> tuple[str, str | None]:

@@ -8,6 +8,19 @@ percentiles. Prints a table and writes ``bench/results/online-*.json`` / ``.md``
 
 Prompts are random words of ``--prompt-words`` words; every request asks for ``--max-tokens``
 with ``ignore_eos`` (a dllm extension, ignored elsewhere) so all requests do the same work.
+
+Shared prefixes (the prefix cache, issue 21): ``--shared-prefix-tokens N`` makes every prompt
+the same N random token ids (a system prompt) followed by ``--prompt-tokens`` ids of its own;
+``--warmup K`` sends K requests one by one before the timed ones (one primes the cache with the
+shared prefix). ``--serve FLAGS`` starts the server itself (``dllm serve FLAGS``) once per
+``--prefix-cache`` variant, so cache on and off are measured in one run, side by side
+(``--serve-model sdar-8b``: a random-weight checkpoint of that shape, ``--load-format
+dummy``). The cached prompt tokens come from each answer's
+``usage.prompt_tokens_details.cached_tokens``. The issue's measurement, on one H200:
+
+    python bench/engine/online.py --serve-model sdar-8b --serve "--context-length 4096 \
+        --max-running-requests 64" --prefix-cache on,off --shared-prefix-tokens 1000 \
+        --prompt-tokens 32 --warmup 1 --num-requests 256 --concurrency 64 --max-tokens 64
 TTFT is the first chunk that carries output tokens: one with text, or one whose usage
 (``stream_options.continuous_usage_stats``) counts them — random-weight models emit tokens the
 test tokenizer decodes to no text, so text alone would put TTFT at the end.
@@ -18,9 +31,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,15 +58,18 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     error: str = ""
 
 
-async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Result:
+async def one(client: httpx.AsyncClient, model: str, prompt: str | list[int],
+              max_tokens: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     start = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, usage_seen = None, 0, {}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -65,10 +86,13 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
                     ttft = time.perf_counter() - start
                 if usage:
                     tokens = usage["completion_tokens"]
+                    usage_seen = usage
     except httpx.HTTPError as exc:
         return Result(False, error=repr(exc))
     latency = time.perf_counter() - start
-    return Result(True, ttft if ttft is not None else latency, latency, tokens)
+    details = usage_seen.get("prompt_tokens_details") or {}
+    return Result(True, ttft if ttft is not None else latency, latency, tokens,
+                  usage_seen.get("prompt_tokens", 0), details.get("cached_tokens") or 0)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -78,18 +102,33 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def run(args: argparse.Namespace) -> dict:
+def make_prompts(args: argparse.Namespace, rng: random.Random, n: int) -> list[str | list[int]]:
+    """Random words, or (a shared prefix or ``--prompt-tokens``) token ids: the shared
+    prefix, then ids of each prompt's own."""
+    if not (args.shared_prefix_tokens or args.prompt_tokens):
+        return [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(n)]
+    lo, hi = args.token_range
+    shared = [rng.randrange(lo, hi) for _ in range(args.shared_prefix_tokens)]
+    return [shared + [rng.randrange(lo, hi) for _ in range(args.prompt_tokens)]
+            for _ in range(n)]
+
+
+async def run(args: argparse.Namespace, base_url: str) -> dict:
     rng = random.Random(args.seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
-               for _ in range(args.num_requests)]
+    prompts = make_prompts(args, rng, args.num_requests + args.warmup)
+    warmup, prompts = prompts[: args.warmup], prompts[args.warmup :]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency + 8)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=600,
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
                                  limits=limits) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        for p in warmup:  # one by one, untimed (primes the prefix cache)
+            r = await one(client, model, p, args.max_tokens)
+            if not r.ok:
+                raise RuntimeError(f"warm-up request failed: {r.error}")
         sem = asyncio.Semaphore(args.concurrency)
 
-        async def limited(p: str, delay: float) -> Result:
+        async def limited(p: str | list[int], delay: float) -> Result:
             await asyncio.sleep(delay)
             async with sem:
                 return await one(client, model, p, args.max_tokens)
@@ -116,9 +155,98 @@ async def run(args: argparse.Namespace) -> dict:
         **{f"tpot_{q}_ms": pct(tpot, q) * 1e3 for q in (50, 90, 99)},
         **{f"e2e_{q}_ms": pct([r.latency for r in ok], q) * 1e3 for q in (50, 90, 99)},
         "mean_ttft_ms": statistics.fmean([r.ttft for r in ok]) * 1e3 if ok else float("nan"),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
         "errors": [asdict(r) for r in results if not r.ok][:5],
     }
+    summary["cached_fraction"] = (summary["cached_tokens"] / summary["prompt_tokens"]
+                                  if summary["prompt_tokens"] else 0.0)
     return summary
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LaunchedServer:
+    """``dllm serve FLAGS`` on a free local port, until ``/health`` answers 200."""
+
+    def __init__(self, flags: list[str], log_path: Path, timeout: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "dllm.server.cli", "serve", *flags, "--host",
+               "127.0.0.1", "--port", str(self.port)]
+        print("starting:", shlex.join(cmd), flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}; its log: "
+                                   f"{log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server was not ready after {timeout} s: {log_path}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    flags = shlex.split(args.serve or "")
+    if args.serve_model:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from offline import checkpoint_dir  # a random-weight checkpoint of a real shape
+
+        root = Path(tempfile.mkdtemp(prefix="dllm-online-"))
+        flags = ["--model", checkpoint_dir(args.serve_model, root), "--load-format", "dummy",
+                 *flags]
+    return flags
+
+
+def run_variants(args: argparse.Namespace) -> dict[str, dict]:
+    """One summary per variant: the given server, or one launched per ``--prefix-cache``."""
+    if args.serve is None and not args.serve_model:
+        return {"server": asyncio.run(run(args, args.base_url))}
+    flags = serve_flags(args)
+    os.makedirs(args.out, exist_ok=True)
+    out = {}
+    for variant in args.prefix_cache.split(","):
+        if variant not in ("on", "off"):
+            raise SystemExit(f"--prefix-cache takes on and/or off, got {variant!r}")
+        extra = ["--disable-prefix-cache"] if variant == "off" else []
+        server = LaunchedServer(flags + extra, Path(args.out) / f"online-server-{variant}.log",
+                                args.serve_timeout)
+        try:
+            out[f"cache {variant}"] = asyncio.run(run(args, server.url))
+        finally:
+            server.stop()
+    return out
+
+
+def table_of(summaries: dict[str, dict]) -> str:
+    first = next(iter(summaries.values()))
+    rows = [("requests/s", "request_throughput"), ("output tok/s", "output_tok_s"),
+            ("cached prompt tokens", "cached_fraction")] + [
+        (k, k) for k in first if k.endswith("_ms")]
+    head = "| metric | " + " | ".join(summaries) + " |\n|---|" + "---|" * len(summaries) + "\n"
+    return head + "".join(
+        f"| {label} | " + " | ".join(f"{s[key]:.2f}" for s in summaries.values()) + " |\n"
+        for label, key in rows)
 
 
 def main() -> int:
@@ -131,19 +259,38 @@ def main() -> int:
     ap.add_argument("--request-rate", type=float, default=0.0,
                     help="Poisson arrivals per second (0: all at once, capped by concurrency)")
     ap.add_argument("--prompt-words", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="token ids of each prompt's own (after the shared prefix)")
+    ap.add_argument("--shared-prefix-tokens", type=int, default=0,
+                    help="random token ids every prompt starts with (a system prompt)")
+    ap.add_argument("--token-range", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    default=(10, 200), help="LO,HI: the random token ids' range")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="requests sent one by one before the timed ones")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve", default=None,
+                    help="start `dllm serve FLAGS` per variant instead of using --base-url")
+    ap.add_argument("--serve-model", default=None,
+                    help="with --serve: a random-weight checkpoint of this shape (sdar-8b, "
+                         "qwen3-8b, sdar-4b, llada2-mini), --load-format dummy")
+    ap.add_argument("--serve-timeout", type=float, default=900.0)
+    ap.add_argument("--prefix-cache", default="on,off",
+                    help="with --serve: the variants, on and/or off (--disable-prefix-cache)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
-    s = asyncio.run(run(args))
-    rows = [("requests/s", s["request_throughput"]), ("output tok/s", s["output_tok_s"])] + [
-        (k, v) for k, v in s.items() if k.endswith("_ms")]
-    table = "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v:.2f} |\n" for k, v in rows)
-    print(f"{s['num_requests']} requests ({s['failed']} failed), concurrency {s['concurrency']}, "
-          f"rate {s['request_rate']}, {s['duration_s']:.1f} s\n{table}")
+    summaries = run_variants(args)
+    table = table_of(summaries)
+    s = next(iter(summaries.values()))
+    failed = sum(v["failed"] for v in summaries.values())
+    head = (f"{s['num_requests']} requests per variant ({failed} failed), concurrency "
+            f"{s['concurrency']}, rate {s['request_rate']}, shared prefix "
+            f"{args.shared_prefix_tokens} tokens, warm-up {args.warmup}")
+    print(f"{head}\n{table}")
     when = stamp()
-    write_report(args.out, "online", f"# Online benchmark {when}\n\n{table}", s, when)
-    return 1 if s["failed"] else 0
+    write_report(args.out, "online", f"# Online benchmark {when}\n\n{head}\n\n{table}",
+                 {"args": vars(args), "variants": summaries}, when)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
