@@ -96,7 +96,7 @@ class Engine:
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, tp_rank=self.ranks.rank,
-            tp_size=self.ranks.world)
+            tp_size=self.ranks.world, ep_size=cfg.expert_parallel_size)
 
     def _make_scheduler(self, path: str) -> Scheduler:
         cfg, spec = self.config, self.info.spec
