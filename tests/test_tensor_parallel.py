@@ -219,6 +219,40 @@ def test_logits_equal_single_process(ckpts, tp_logits, arch, ep, world):
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+def _rank_mixed(rank: int, world: int, port: int, path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    set_tensor_parallel(TensorParallel(rank, world, ep=2))
+    model, _, _ = load_model(path)
+    experts = next(m for m in model.modules() if isinstance(m, StackedExperts))
+    with torch.no_grad():
+        logits = forward_full(model, list(range(5, 28)), AttentionMask.BLOCK_CAUSAL, block_size=4)
+    if rank == 0:
+        torch.save(logits, Path(out) / "logits.pt")
+    torch.save((experts.first_expert, experts.local_experts, experts.inter_start,
+                experts.gate_proj.shape[1]), Path(out) / f"split-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_experts_split_over_sets_and_intermediate(tmp_path):
+    """tp 4, ep 2: ranks 0-1 hold experts 0-2, ranks 2-3 experts 3-5, each pair splitting
+    their intermediate size (48 → 24 + 24); the logits equal the single process's."""
+    path = str(make_tiny_checkpoint(
+        "LLaDA2MoeModelLM", tmp_path / "ckpt", seed=2, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, intermediate_size=64, moe_intermediate_size=48,
+        num_experts=6, n_group=3, topk_group=2))
+    mp.spawn(_rank_mixed, args=(4, _free_port(), path, str(tmp_path)), nprocs=4)
+    splits = [torch.load(tmp_path / f"split-{r}.pt") for r in range(4)]
+    assert splits == [(0, 3, 0, 24), (0, 3, 24, 24), (3, 3, 0, 24), (3, 3, 24, 24)]
+    set_tensor_parallel(TensorParallel())
+    model, _, _ = load_model(path)
+    with torch.no_grad():
+        want = forward_full(model, list(range(5, 28)), AttentionMask.BLOCK_CAUSAL, block_size=4)
+    got = torch.load(tmp_path / "logits.pt")
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 # ---- a rank that dies ---------------------------------------------------------------------
 def test_a_dead_rank_ends_the_engine_and_leaves_no_orphan(ckpts, tmp_path):
     """A worker killed mid-run: rank 0 exits with a one-line error naming the rank within
