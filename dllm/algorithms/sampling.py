@@ -61,7 +61,9 @@ class SampleOutput:
     """``x0 [bs, B]`` int64 proposed token per position; ``log_conf [bs, B]`` float32 its
     log-probability (the ranking key); ``confidence`` its probability; ``logprobs
     [bs, B, V]`` float32 the log-probabilities of the distribution ``confidence`` uses,
-    computed on first use where the draw did not need them (the fused greedy draw)."""
+    computed on first use where the draw did not need them (the fused greedy draw); over
+    logits split by vocabulary (tensor parallelism) they are not available: use ``log_conf``,
+    ``entropy()`` or ``vocab_parallel.token_logprob``."""
 
     def __init__(self, x0: Tensor, log_conf: Tensor,
                  logprobs: Tensor | Callable[[], Tensor]):

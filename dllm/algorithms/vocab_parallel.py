@@ -3,7 +3,7 @@
 Under tensor parallelism each rank's LM head gives its own columns of the logits
 (:class:`dllm.models.parallel.ShardedLogits`). Every quantity an unmasking algorithm reads is
 a reduction over the vocabulary, so each rank reduces its columns to a few numbers per
-position and the ranks exchange those (one ``all_gather`` of ``[bs, B, F]`` with ``F`` ≤ 10),
+position and the ranks exchange those (one ``all_gather`` of ``[bs, B, F]`` with ``F`` ≤ 15),
 never the ``bs × B × vocab`` logits:
 
 * **Softmax statistics** of a distribution ``y``: the rank's maximum ``m``, its first argmax
