@@ -115,6 +115,11 @@ class EngineConfig:
         "aliases": ("--tp", "--tp-size"),
         "help": "ranks that split every layer (one process each; CPU ranks talk over Gloo, "
                 "GPU ranks over NCCL, one GPU each)"})
+    expert_parallel_size: int = field(default=1, metadata={
+        "aliases": ("--ep", "--ep-size"),
+        "help": "sets the MoE experts split into (each of the --tp ranks holds E/ep whole "
+                "experts, their intermediate size split over tp/ep ranks; one all-reduce per "
+                "layer as with tensor parallelism); must divide --tp; dense models ignore it"})
     nnodes: int = field(default=1, metadata={
         "help": "hosts the tensor-parallel ranks span (each starts `dllm serve` with the same "
                 "flags and its own --node-rank; --tp ranks are split evenly)"})
@@ -139,7 +144,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens",
-                     "tensor_parallel_size", "nnodes", "state_track_interval"):
+                     "tensor_parallel_size", "expert_parallel_size", "nnodes",
+                     "state_track_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -156,6 +162,10 @@ class EngineConfig:
                 raise ValueError("cuda_graph_batch_sizes must be positive integers, got "
                                  f"{self.cuda_graph_batch_sizes!r}")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
+        if self.tensor_parallel_size % self.expert_parallel_size:
+            raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide "
+                             f"tensor_parallel_size {self.tensor_parallel_size} (the experts "
+                             "split over the tensor-parallel ranks)")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split "
                              f"evenly over nnodes {self.nnodes}")

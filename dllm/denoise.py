@@ -10,6 +10,7 @@ import torch
 
 from dllm.algorithms import ALGORITHMS, get_algorithm
 from dllm.algorithms.base import KEY_SPECS, DenoiseInput, SamplingTensors
+from dllm.models.parallel import map_leading
 from dllm.request import BlockState, DenoiseState, Req
 from dllm.runner.forward_batch import ForwardBatch
 from dllm.runner.input_registry import InputRegistry
@@ -147,7 +148,7 @@ class DenoisePost:
                       torch.full((bs,), -1, dtype=torch.int64, device=logits.device))
         if self.logits_shift:
             # Token i is read from position i-1; position 0 of a block is never masked.
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+            logits = map_leading(logits, lambda t: torch.cat([t[:, :1], t[:, :-1]], dim=1))
         ex = fb.extras
         full = {
             "tokens": fb.input_ids[: bs * b].view(bs, b),

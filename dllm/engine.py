@@ -125,7 +125,7 @@ class Engine:
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, tp_rank=self.ranks.rank,
-            tp_size=self.ranks.world,
+            tp_size=self.ranks.world, ep_size=cfg.expert_parallel_size,
             # committed + track slots per request, and one more for the cache's snapshots
             state_slots_per_request=2 + self.num_track_slots if self.num_track_slots else 1)
 

@@ -28,7 +28,7 @@ from dllm.models.layers import (
 )
 from dllm.models.moe import StackedExperts
 from dllm.models.ops import UsesOps
-from dllm.models.parallel import all_gather_last, all_reduce, tensor_parallel
+from dllm.models.parallel import ShardedLogits, all_reduce, tensor_parallel
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 
@@ -202,13 +202,16 @@ class DecoderLM(UsesOps, nn.Module):
         """``input_ids``/``positions`` ``[T]`` → final-norm hidden states ``[T, hidden]``."""
         return self.model(input_ids, positions, forward_batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` → ``[N, vocab]`` in the model dtype."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | ShardedLogits:
+        """``[N, hidden]`` → ``[N, vocab]`` in the model dtype; under tensor parallelism this
+        rank's vocabulary columns as ``ShardedLogits`` (never gathered: the post-steps reduce
+        each shard and exchange per-row statistics, ``dllm.algorithms.vocab_parallel``)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         logits = self.ops.linear(hidden, head)
         if head.weight.shape[0] == head.vocab_size:
             return logits
-        return all_gather_last(logits, head.tp)[:, : head.vocab_size]  # the ranks' slices
+        logits[:, head.end - head.start :] = float("-inf")  # padding rows: never chosen
+        return ShardedLogits(logits, head.start, head.vocab_size, head.tp)
 
     @property
     def supports_cuda_graph(self) -> bool:

@@ -177,9 +177,13 @@ class _Assembler:
         return self.stacks[name]
 
     def _add_stacked(self, ckpt_name: str, target: WeightTarget, tensor: torch.Tensor) -> None:
+        module_name = target.name.rpartition(".")[0]
+        local_index = getattr(self.model.get_submodule(module_name), "local_index", None)
+        index = target.index if local_index is None else local_index(target.index)
+        if index is None:  # an expert another expert-parallel rank holds
+            return
         tensor = self._localize(target.name, tensor)
         want = tuple(self.expected[target.name].shape)
-        index = target.index
         if not 0 <= index < want[0] or tuple(tensor.shape) != want[1:]:
             raise WeightLoadError(
                 f"checkpoint tensor {ckpt_name!r} (shape {tuple(tensor.shape)}) does not fit "

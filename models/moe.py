@@ -25,29 +25,53 @@ grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 class StackedExperts(UsesOps, nn.Module):
     """``E`` SwiGLU experts, weights stacked on a leading expert axis:
     ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``. Under tensor
-    parallelism each rank holds a slice of every expert's intermediate size (its output is a
-    partial sum the MoE block all-reduces)."""
+    parallelism each rank holds a slice of every expert's intermediate size; under expert
+    parallelism (``TensorParallel.ep``) each rank holds ``E / ep`` whole experts (their
+    intermediate size split over the ``tp / ep`` ranks that share them) and computes only the
+    token-expert pairs routed to them. Either way its output is a partial sum the MoE block
+    all-reduces (one all-reduce per layer)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts
         self.full_intermediate = intermediate_size
         self.tp = tensor_parallel()
-        intermediate_size = self.tp.split(intermediate_size, "the expert size")
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.first_expert, self.local_experts = self.tp.experts(num_experts)
+        self.inter_start, intermediate_size = self.tp.expert_slice(intermediate_size)
+        e = self.local_experts
+        self.gate_proj = nn.Parameter(torch.empty(e, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(e, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, intermediate_size))
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, std=0.02)
 
     def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
         """This rank's slice of one checkpoint expert's projection (``[I, H]`` or ``[H, I]``)."""
-        tp = self.tp
-        n = self.full_intermediate // tp.size
+        n = self.gate_proj.shape[1]
         axis = 1 if leaf == "down_proj" else 0
-        if tp.size == 1 or tensor.shape[axis] != self.full_intermediate:
+        if n == self.full_intermediate or tensor.shape[axis] != self.full_intermediate:
             return tensor
-        return tensor.narrow(axis, tp.rank * n, n)
+        return tensor.narrow(axis, self.inter_start, n)
+
+    def local_index(self, expert: int) -> int | None:
+        """Where checkpoint expert ``expert`` sits in this rank's stack; None: another rank
+        holds it (the loader skips it). An index past the experts is kept as it is (the
+        loader names it as out of range)."""
+        if not 0 <= expert < self.num_experts:
+            return expert
+        local = expert - self.first_expert
+        return local if 0 <= local < self.local_experts else None
+
+    def to_local(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing in this rank's expert numbering: a pair routed to another rank's
+        expert gets id ``local_experts`` (past the stack) and weight 0."""
+        if self.local_experts == self.num_experts:
+            return topk_ids, topk_weights
+        local = topk_ids - self.first_expert
+        mine = (local >= 0) & (local < self.local_experts)
+        return (torch.where(mine, local, self.local_experts),
+                torch.where(mine, topk_weights, torch.zeros_like(topk_weights)))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on ``x`` ``[n, H]`` → ``[n, H]``."""
@@ -56,9 +80,10 @@ class StackedExperts(UsesOps, nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]``, ``topk_ids``/``topk_weights`` ``[T, K]`` → ``Σ_k w_k·expert_k(x)``,
-        by the path the layer ops choose (``LayerOps.moe_experts``)."""
-        return self.ops.moe_experts(self, x, topk_ids, topk_weights)
+        """``x`` ``[T, H]``, ``topk_ids``/``topk_weights`` ``[T, K]`` (global expert ids) →
+        ``Σ_k w_k·expert_k(x)`` over this rank's experts, by the path the layer ops choose
+        (``LayerOps.moe_experts``)."""
+        return self.ops.moe_experts(self, x, *self.to_local(topk_ids, topk_weights))
 
     def forward_loop(self, x: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor) -> torch.Tensor:
@@ -68,6 +93,8 @@ class StackedExperts(UsesOps, nn.Module):
         out = torch.zeros_like(x)
         weights = topk_weights.to(x.dtype)
         for e in torch.unique(topk_ids).tolist():  # ascending, as the references loop
+            if e >= self.local_experts:  # another rank's expert (``to_local``)
+                continue
             token, slot = torch.where(topk_ids == e)
             y = self.expert(e, x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y)
@@ -85,9 +112,10 @@ class StackedExperts(UsesOps, nn.Module):
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        # another rank's pairs (id ``local_experts``) sort last, past every expert's range
+        counts = torch.zeros(self.local_experts + 1, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)  # end of each expert's rows
+        offs = counts[:-1].cumsum(0).to(torch.int32)  # end of each expert's rows
         # [T·K + 1, H], grouped by expert, plus one spare row past the last expert's range
         # (grouped_mm documents offs[-1] as strictly below the rows; the spare is ignored).
         rows = x[torch.cat([order // k, order.new_zeros(1)])]
@@ -95,6 +123,8 @@ class StackedExperts(UsesOps, nn.Module):
         up = grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs)
         y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)[: t * k]
         y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+        if self.local_experts < self.num_experts:  # rows past the ranges are not computed
+            y = torch.where((torch.arange(t * k, device=x.device) < offs[-1])[:, None], y, 0.0)
         pairs = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
         return pairs.view(t, k, -1).float().sum(dim=1).to(x.dtype)
 

@@ -83,6 +83,7 @@ class RunnerConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     tp_rank: int = 0  # this rank among the tensor-parallel ranks (``dllm.models.parallel``)
     tp_size: int = 1
+    ep_size: int = 1  # expert-parallel sets among the tp ranks (``TensorParallel.ep``)
     # Hybrid models: recurrent-state slots per running request (the committed slot, and with
     # the prefix cache its track slots and room for the cache's snapshots).
     state_slots_per_request: int = 1
@@ -111,7 +112,7 @@ class ModelRunner:
         self.steps = steps
         self.device = config.device
         torch.manual_seed(config.seed)
-        set_tensor_parallel(TensorParallel(config.tp_rank, config.tp_size))
+        set_tensor_parallel(TensorParallel(config.tp_rank, config.tp_size, ep=config.ep_size))
         self.model, _, _ = load_model(config.model_path, dtype=config.dtype, device=self.device,
                                       load_format=config.load_format, seed=config.seed)
         self.model.eval()

@@ -206,6 +206,51 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return ASCIIJSONResponse(model_card(s, model_id if model_id in s.model_names
                                             else s.model_name))
 
+    # What sglang-router (``python -m sglang_router.launch_router --worker-urls ...``) reads
+    # from a worker: ``/health`` (its health checks), ``/server_info`` and ``/model_info``
+    # when it registers one (the model id it routes by is ``served_model_name``), and
+    # ``/get_load`` (its load monitor; ``num_tokens`` is the load it compares). The
+    # ``/get_...`` spellings are SGLang's older names of the first two.
+    def model_info() -> dict[str, Any]:
+        s = state.ready()
+        info = s.llm.engine.info
+        return {"model_path": s.model_path, "tokenizer_path": s.model_path,
+                "served_model_name": s.model_name, "is_generation": s.task == "generate",
+                "model_type": info.config.get("model_type", ""),
+                "architectures": [info.architecture]}
+
+    def server_info() -> dict[str, Any]:
+        from dllm import __version__
+
+        s = state.ready()
+        cfg = s.llm.engine.config
+        return {"served_model_name": s.model_name, "model_path": s.model_path,
+                "tp_size": cfg.tensor_parallel_size, "dp_size": 1,
+                "context_length": s.context_length,
+                "max_running_requests": cfg.max_running_requests, "version": __version__}
+
+    async def model_info_route() -> Response:
+        return ASCIIJSONResponse(model_info())
+
+    async def server_info_route() -> Response:
+        return ASCIIJSONResponse(server_info())
+
+    for path, route in (("/model_info", model_info_route), ("/get_model_info", model_info_route),
+                        ("/server_info", server_info_route),
+                        ("/get_server_info", server_info_route)):
+        app.add_api_route(path, route, methods=["GET"])
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """One entry per data-parallel rank (one here), SGLang's shape: requests running and
+        waiting, and ``num_tokens``: the tokens of every request this server holds (prompt
+        plus the most it may generate), the quantity its admission limit counts."""
+        s = state.ready()
+        st = s.llm.stats  # kept by the engine thread: no lock
+        return ASCIIJSONResponse([{"dp_rank": 0, "num_reqs": st.running + st.waiting,
+                                   "num_waiting_reqs": st.waiting,
+                                   "num_tokens": s.queued_tokens}])
+
     @app.get("/version")
     async def version() -> Response:
         from dllm import __version__

@@ -24,13 +24,15 @@ import torch.multiprocessing as mp
 
 from dllm import LLM, SamplingParams
 from dllm.models.loader import load_model
-from dllm.models.parallel import TensorParallel, set_tensor_parallel
+from dllm.models.moe import StackedExperts
+from dllm.models.parallel import TensorParallel, record_collectives, set_tensor_parallel
 from dllm.runner.forward_batch import AttentionMask
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.harness import forward_full
 from tests.test_engine import ALGORITHMS as BLOCK_ALGORITHMS
 
-# Sizes every group of 2 and 3 ranks splits evenly (heads, KV heads, MLP and expert sizes).
+# Sizes every group of 2 and 3 ranks splits evenly (heads, KV heads, MLP and expert sizes,
+# 6 experts: 3 or 2 per rank under expert parallelism).
 # Qwen3 has one KV head: replicated on every rank.
 SHAPES = {
     "Qwen3ForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=1,
@@ -38,14 +40,17 @@ SHAPES = {
     "SDARForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6,
                             head_dim=16, intermediate_size=96),
     "LLaDA2MoeModelLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6,
-                             head_dim=16, intermediate_size=96, moe_intermediate_size=48),
+                             head_dim=16, intermediate_size=96, moe_intermediate_size=48,
+                             num_experts=6, n_group=3, topk_group=2),
     "SDARMoeForCausalLM": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6,
-                               head_dim=16, moe_intermediate_size=48, intermediate_size=96),
+                               head_dim=16, moe_intermediate_size=48, intermediate_size=96,
+                               num_experts=6),
     "LLaDAModelLM": dict(d_model=96, n_heads=6, n_kv_heads=6, mlp_hidden_size=96),
 }
 MASKS = {"Qwen3ForCausalLM": AttentionMask.CAUSAL, "SDARForCausalLM": AttentionMask.BLOCK_CAUSAL,
          "LLaDA2MoeModelLM": AttentionMask.BLOCK_CAUSAL,
          "SDARMoeForCausalLM": AttentionMask.BLOCK_CAUSAL, "LLaDAModelLM": AttentionMask.FULL}
+MOE = ("LLaDA2MoeModelLM", "SDARMoeForCausalLM")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 
 
@@ -64,19 +69,19 @@ class Engines:
     def __init__(self, ckpts: dict[str, str]):
         self.ckpts = ckpts
         self.single: dict[str, LLM] = {}
-        self.key: tuple[str, int] | None = None
+        self.key: tuple[str, int, int] | None = None
         self.current: LLM | None = None
 
-    def __call__(self, arch: str, tp: int) -> LLM:
+    def __call__(self, arch: str, tp: int, ep: int = 1) -> LLM:
         if tp == 1:
             if arch not in self.single:
                 self.single[arch] = LLM(self.ckpts[arch], max_running_requests=4, page_size=4)
             return self.single[arch]
-        if self.key != (arch, tp):
+        if self.key != (arch, tp, ep):
             self.release()
             self.current = LLM(self.ckpts[arch], max_running_requests=4, page_size=4,
-                               tensor_parallel_size=tp)
-            self.key = (arch, tp)
+                               tensor_parallel_size=tp, expert_parallel_size=ep)
+            self.key = (arch, tp, ep)
         return self.current
 
     def release(self) -> None:
@@ -98,9 +103,9 @@ def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def _same(engines, arch: str, tp: int, params: SamplingParams) -> None:
+def _same(engines, arch: str, tp: int, params: SamplingParams, ep: int = 1) -> None:
     want = _tokens(engines(arch, 1), params)
-    assert _tokens(engines(arch, tp), params) == want
+    assert _tokens(engines(arch, tp, ep), params) == want
 
 
 @pytest.mark.parametrize(("tp", "temperature"), [(2, 0.0), (2, 0.8), (3, 0.0), (3, 0.8)])
@@ -116,7 +121,25 @@ def test_block_diffusion_every_algorithm_tp2(engines, algorithm):
         dllm={"algorithm": algorithm, **BLOCK_ALGORITHMS[algorithm]}))
 
 
-@pytest.mark.parametrize("algorithm", ["low_confidence_static", "threshold"])
+def test_full_logits_never_cross_the_ranks(engines):
+    """A sampled, top-k-filtered generation at tp 2: the post-steps' exchanges carry at most
+    16 numbers per position, and no collective has a shard of the vocabulary (256 columns)
+    in its shape (the forward's all-reduces are ``[tokens, hidden 96]``)."""
+    llm = engines("SDARForCausalLM", 2)
+    model = llm.engine.model
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    width = head.weight.shape[0]  # this rank's rows of the head: half the vocabulary
+    with record_collectives() as log:
+        llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True, seed=3,
+                                             temperature=0.8, top_k=20, top_p=0.9))
+    gathers = [shape for op, shape in log if op == "all_gather"]
+    assert gathers and all(shape[-1] <= 16 for shape in gathers)
+    assert {op for op, _ in log} == {"all_gather", "all_reduce_sum", "all_reduce_max"}
+    assert width == 256 == head.vocab_size // 2
+    assert all(width not in shape for _, shape in log)
+
+
+@pytest.mark.parametrize("algorithm", sorted(BLOCK_ALGORITHMS))
 def test_block_diffusion_tp3(engines, algorithm):
     _same(engines, "SDARForCausalLM", 3, SamplingParams(
         max_new_tokens=8, ignore_eos=True, temperature=0.7, seed=3,
@@ -126,6 +149,19 @@ def test_block_diffusion_tp3(engines, algorithm):
 @pytest.mark.parametrize("tp", [2, 3])
 def test_llada2_moe(engines, tp):
     _same(engines, "LLaDA2MoeModelLM", tp, SamplingParams(max_new_tokens=8, ignore_eos=True))
+
+
+@pytest.mark.parametrize(("arch", "tp"), [("LLaDA2MoeModelLM", 2), ("LLaDA2MoeModelLM", 3),
+                                        ("SDARMoeForCausalLM", 2)])
+def test_expert_parallel(engines, arch, tp):
+    """``ep = tp``: each rank holds 6 / tp whole experts; greedy and sampled tokens equal the
+    single process's."""
+    model = engines(arch, tp, tp).engine.model
+    experts = next(m for m in model.modules() if isinstance(m, StackedExperts))
+    assert (experts.local_experts, experts.gate_proj.shape[1]) == (6 // tp, 48)
+    for temperature in (0.0, 0.9):
+        _same(engines, arch, tp, SamplingParams(max_new_tokens=8, ignore_eos=True, seed=4,
+                                                temperature=temperature), ep=tp)
 
 
 @pytest.mark.parametrize("dllm", [
@@ -150,13 +186,14 @@ def _rank_logits(rank: int, world: int, port: int, ckpts: dict[str, str], out: s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     ids = list(range(5, 28))  # 23 tokens
-    for arch, path in ckpts.items():
-        set_tensor_parallel(TensorParallel(rank, world))
-        model, _, _ = load_model(path)
+    runs = [(arch, 1) for arch in ckpts] + [(arch, world) for arch in MOE]
+    for arch, ep in runs:
+        set_tensor_parallel(TensorParallel(rank, world, ep=ep))
+        model, _, _ = load_model(ckpts[arch])
         with torch.no_grad():
             logits = forward_full(model, ids, MASKS[arch], block_size=4)
         if rank == 0:
-            torch.save(logits, Path(out) / f"{arch}-{world}.pt")
+            torch.save(logits, Path(out) / f"{arch}-{world}-ep{ep}.pt")
     dist.destroy_process_group()
 
 
@@ -169,14 +206,50 @@ def tp_logits(ckpts, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("arch", sorted(SHAPES))
-def test_logits_equal_single_process(ckpts, tp_logits, arch, world):
+@pytest.mark.parametrize(("arch", "ep"), [(a, 1) for a in sorted(SHAPES)]
+                         + [(a, "world") for a in MOE])
+def test_logits_equal_single_process(ckpts, tp_logits, arch, ep, world):
+    """Tensor parallel (``ep`` 1) and, for the MoE families, expert parallel (``ep = tp``)."""
     set_tensor_parallel(TensorParallel())
     model, _, _ = load_model(ckpts[arch])
     with torch.no_grad():
         want = forward_full(model, list(range(5, 28)), MASKS[arch], block_size=4)
-    got = torch.load(tp_logits / f"{arch}-{world}.pt")
+    got = torch.load(tp_logits / f"{arch}-{world}-ep{world if ep == 'world' else 1}.pt")
     assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def _rank_mixed(rank: int, world: int, port: int, path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    set_tensor_parallel(TensorParallel(rank, world, ep=2))
+    model, _, _ = load_model(path)
+    experts = next(m for m in model.modules() if isinstance(m, StackedExperts))
+    with torch.no_grad():
+        logits = forward_full(model, list(range(5, 28)), AttentionMask.BLOCK_CAUSAL, block_size=4)
+    if rank == 0:
+        torch.save(logits, Path(out) / "logits.pt")
+    torch.save((experts.first_expert, experts.local_experts, experts.inter_start,
+                experts.gate_proj.shape[1]), Path(out) / f"split-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_experts_split_over_sets_and_intermediate(tmp_path):
+    """tp 4, ep 2: ranks 0-1 hold experts 0-2, ranks 2-3 experts 3-5, each pair splitting
+    their intermediate size (48 → 24 + 24); the logits equal the single process's."""
+    path = str(make_tiny_checkpoint(
+        "LLaDA2MoeModelLM", tmp_path / "ckpt", seed=2, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, intermediate_size=64, moe_intermediate_size=48,
+        num_experts=6, n_group=3, topk_group=2))
+    mp.spawn(_rank_mixed, args=(4, _free_port(), path, str(tmp_path)), nprocs=4)
+    splits = [torch.load(tmp_path / f"split-{r}.pt") for r in range(4)]
+    assert splits == [(0, 3, 0, 24), (0, 3, 24, 24), (3, 3, 0, 24), (3, 3, 24, 24)]
+    set_tensor_parallel(TensorParallel())
+    model, _, _ = load_model(path)
+    with torch.no_grad():
+        want = forward_full(model, list(range(5, 28)), AttentionMask.BLOCK_CAUSAL, block_size=4)
+    got = torch.load(tmp_path / "logits.pt")
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dllm.algorithms import vocab_parallel
 from dllm.algorithms.base import DenoiseInput, DenoiseOutput, SamplingTensors, UnmaskingAlgorithm
-from dllm.algorithms.reductions import fixed_order_sum
 from dllm.algorithms.rng import (
     Stream,
     counter_key,
@@ -57,6 +57,7 @@ from dllm.algorithms.rng import (
     vocab_bits,
 )
 from dllm.algorithms.selection import finish, masked_positions, rank_positions, select_top
+from dllm.models.parallel import ShardedLogits
 
 EPS = 1e-3
 
@@ -105,7 +106,10 @@ def schedule_over(x: DenoiseInput) -> Tensor:
 
 
 def dream_probs(logits: Tensor, sampling: SamplingTensors) -> Tensor:
-    """Dream's ``sample_tokens`` distribution per position (module docstring), float32."""
+    """Dream's ``sample_tokens`` distribution per position (module docstring), float32;
+    split logits give split probabilities (:mod:`dllm.algorithms.vocab_parallel`)."""
+    if isinstance(logits, ShardedLogits):
+        return vocab_parallel.dream_probs(logits, sampling)
     x = logits.float()
     bs = x.shape[0]
     t = sampling.temperature.float()
@@ -131,6 +135,8 @@ def dream_propose(probs: Tensor, sampling: SamplingTensors, step: Tensor,
                   positions: Tensor) -> Tensor:
     """``[bs, B]`` the proposed token: the first maximum of ``probs``, or for a sampling
     row a Gumbel-max draw from them with the counter RNG."""
+    if isinstance(probs, ShardedLogits):
+        return vocab_parallel.dream_propose(probs, sampling, step, positions)
     greedy = probs.argmax(dim=-1)
     if not sampling.may_sample:
         return greedy
@@ -200,7 +206,7 @@ class DreamMaskGitPlus(_DreamRanked):
     name = "maskgit_plus"
 
     def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
-        return probs.gather(-1, x0[..., None]).squeeze(-1)
+        return vocab_parallel.prob_of(probs, x0)
 
 
 class DreamTopkMargin(_DreamRanked):
@@ -209,8 +215,7 @@ class DreamTopkMargin(_DreamRanked):
     name = "topk_margin"
 
     def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
-        top2 = probs.topk(2, dim=-1).values
-        return top2[..., 0] - top2[..., 1]
+        return vocab_parallel.top2_margin(probs)
 
 
 class DreamEntropy(_DreamRanked):
@@ -219,7 +224,7 @@ class DreamEntropy(_DreamRanked):
     name = "entropy"
 
     def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
-        return fixed_order_sum(probs * torch.log(probs + 1e-10))
+        return vocab_parallel.neg_entropy(probs)
 
 
 class DreamConfidenceThreshold(UnmaskingAlgorithm):
@@ -253,7 +258,7 @@ class DreamConfidenceThreshold(UnmaskingAlgorithm):
         base = x.num_initial_masks // x.config["steps"].clamp(min=1)
         quota = torch.where(x.state["extra_steps"] > 0, 0, base) + x.state["carry"]
         probs, x0 = _propose(x)
-        confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
+        confidence = vocab_parallel.prob_of(probs, x0)
         rank = rank_positions(confidence, masked)
         chosen = (rank < quota[:, None]) & masked
         rejected = chosen & (rank > 0) & (confidence < x.config["threshold"][:, None])

@@ -6,7 +6,7 @@ import torch
 
 from dllm.algorithms.base import DenoiseInput, DenoiseOutput, UnmaskingAlgorithm
 from dllm.algorithms.reductions import fixed_order_cumsum
-from dllm.algorithms.sampling import entropy, sample_tokens
+from dllm.algorithms.sampling import sample_tokens
 from dllm.algorithms.selection import finish, masked_positions, rank_positions
 from dllm.algorithms.threshold import bounded
 
@@ -34,7 +34,7 @@ class EntropyBounded(UnmaskingAlgorithm):
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
         sample = sample_tokens(x.logits, x.sampling, x.positions, x.step)
-        h = entropy(sample.logprobs)
+        h = sample.entropy()
         rank = rank_positions(h, masked, descending=False)
         order = torch.argsort(rank, dim=-1)
         h_sorted = torch.where(masked.gather(-1, order), h.gather(-1, order), 0.0)

@@ -60,9 +60,12 @@ def counter_key(seed: Tensor, step: Tensor, positions: Tensor, stream: int) -> T
     return hash32(h[:, None] ^ (positions.to(torch.int64) & MASK32))
 
 
-def vocab_bits(key: Tensor, vocab_size: int) -> Tensor:
-    """32 random bits per (row, position, vocab id) from a ``[bs, B]`` key."""
-    salt = hash32(torch.arange(vocab_size, device=key.device, dtype=torch.int64) ^ _GOLDEN)
+def vocab_bits(key: Tensor, vocab_size: int, start: int = 0) -> Tensor:
+    """32 random bits per (row, position, vocab id) from a ``[bs, B]`` key, for the ids
+    ``start .. start + vocab_size - 1`` (a rank's shard of a split vocabulary: the bits of an
+    id do not depend on the split)."""
+    ids = torch.arange(start, start + vocab_size, device=key.device, dtype=torch.int64)
+    salt = hash32(ids ^ _GOLDEN)
     return hash32(key[..., None] ^ salt)
 
 

@@ -51,6 +51,7 @@ from dllm.algorithms.rng import (
     unit_float64,
     vocab_bits,
 )
+from dllm.models.parallel import ShardedLogits
 from dllm.runner.kernels import kernel_module
 
 _NEG_INF = float("-inf")
@@ -60,7 +61,9 @@ class SampleOutput:
     """``x0 [bs, B]`` int64 proposed token per position; ``log_conf [bs, B]`` float32 its
     log-probability (the ranking key); ``confidence`` its probability; ``logprobs
     [bs, B, V]`` float32 the log-probabilities of the distribution ``confidence`` uses,
-    computed on first use where the draw did not need them (the fused greedy draw)."""
+    computed on first use where the draw did not need them (the fused greedy draw); over
+    logits split by vocabulary (tensor parallelism) they are not available: use ``log_conf``,
+    ``entropy()`` or ``vocab_parallel.token_logprob``."""
 
     def __init__(self, x0: Tensor, log_conf: Tensor,
                  logprobs: Tensor | Callable[[], Tensor]):
@@ -74,6 +77,10 @@ class SampleOutput:
         if callable(self._logprobs):
             self._logprobs = self._logprobs()
         return self._logprobs
+
+    def entropy(self) -> Tensor:
+        """``[bs, B]`` entropy (nats) of the distribution ``confidence`` uses."""
+        return entropy(self.logprobs)
 
 
 def sample_tokens(
@@ -94,7 +101,15 @@ def sample_tokens(
     switches rows to LLaDA's float64 sampler (module docstring). ``unfiltered_confidence
     [bs] bool`` rows take their confidence (and ``logprobs``) from the tempered softmax before
     top-k / top-p, the token still drawn from the filtered one (SDAR's evaluation
-    wrapper)."""
+    wrapper).
+
+    Logits split over the vocabulary (``ShardedLogits``, tensor parallelism) take the same
+    rules without gathering them (:mod:`dllm.algorithms.vocab_parallel`)."""
+    if isinstance(logits, ShardedLogits):
+        from dllm.algorithms import vocab_parallel  # it builds on this module
+
+        return vocab_parallel.sample_tokens(logits, sampling, positions, step, exclude_id,
+                                            gumbel_fp64, unfiltered_confidence)
     if not sampling.may_sample and (fused := _greedy_kernel(logits)) is not None:
         x0, log_conf = fused(logits, exclude_id)
         return SampleOutput(x0, log_conf, lambda: _plain_logprobs(logits, exclude_id))

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
+from dllm.models.parallel import full_logits
 from dllm.runner.attention.base import AttentionBackend
 from dllm.runner.attention.sdpa import SDPABackend
 from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
@@ -65,13 +66,14 @@ def forward_full(
     block_size: int = 1,
     backend: AttentionBackend | None = None,
 ) -> torch.Tensor:
-    """Logits ``[T, V]`` of a whole sequence, no cache, positions ``0..T-1``."""
+    """Logits ``[T, V]`` of a whole sequence, no cache, positions ``0..T-1`` (under tensor
+    parallelism gathered from the ranks' vocabulary columns: a test's view)."""
     device = next(model.parameters()).device
     ids = torch.as_tensor(token_ids, dtype=torch.int64, device=device)
     pos = torch.arange(ids.shape[0], device=device)
     fb = _batch(ForwardMode.EXTEND, ids, pos, 0, mask, block_size, backend or SDPABackend())
     fb.attn_backend.prepare(fb)
-    return model.compute_logits(model(ids, pos, fb))
+    return full_logits(model.compute_logits(model(ids, pos, fb)))
 
 
 class CachedSequence:
@@ -107,7 +109,7 @@ class CachedSequence:
         fb = _batch(mode, ids, pos, self.length, mask, block_size, self.backend,
                     self.req_pool, self.kv_pool, self.row)
         self.backend.prepare(fb)
-        logits = self.model.compute_logits(self.model(ids, pos, fb))
+        logits = full_logits(self.model.compute_logits(self.model(ids, pos, fb)))
         if advance:
             self.length += n
         return logits
