@@ -3,8 +3,10 @@ block when streaming."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from dllm.trace import StepEvent, TokenLogprob
 
 if TYPE_CHECKING:
     from dllm.request import Req
@@ -22,6 +24,8 @@ class RequestOutput:
     num_blocks: int = 0
     error: str | None = None
     prompt_token_ids: list[int] | None = None
+    # ``SamplingParams.logprobs``: one per token of ``token_ids`` (``dllm.trace``)
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def of(cls, req: Req, text: str) -> RequestOutput:
@@ -31,7 +35,9 @@ class RequestOutput:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=req.prompt_len, num_forward_passes=req.num_forward_passes,
             num_denoise_forwards=req.num_denoise_forwards, num_blocks=req.num_blocks_committed,
-            error=req.error, prompt_token_ids=list(req.prompt_ids))
+            error=req.error, prompt_token_ids=list(req.prompt_ids),
+            logprobs=(list(req.trace.logprobs) if req.trace is not None
+                      and req.trace.top is not None else None))
 
     @property
     def completion_tokens(self) -> int:
@@ -52,6 +58,10 @@ class StreamChunk:
     prompt_tokens: int
     completion_tokens: int
     output: RequestOutput | None = None  # set on the last chunk
+    # ``SamplingParams.denoise_steps``: the denoise steps since the last chunk, in order
+    steps: list[StepEvent] = field(default_factory=list)
+    # ``SamplingParams.logprobs``: one per id of ``delta_token_ids``
+    delta_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -173,6 +173,9 @@ class RequestFactory:
         if dllm:
             raise ValueError(f"dllm settings apply to diffusion models; "
                              f"{self.info.architecture} is autoregressive")
+        if params.traced:
+            raise ValueError(f"logprobs and denoise steps are recorded for diffusion models; "
+                             f"{self.info.architecture} is autoregressive")
         return AutoregressiveState(), lay.block_size
 
     def _check_block_diffusion_keys(self, merged: dict[str, Any]) -> None:
