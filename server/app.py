@@ -44,6 +44,7 @@ from dllm.server.protocol import (
     validate,
 )
 from dllm.server.serving import Serving, StatsLogger, shutting_down
+from dllm.server.trace_format import NamedEvent
 
 logger = logging.getLogger("dllm.server")
 DISCONNECT_POLL_S = 0.25
@@ -303,11 +304,13 @@ async def _answer(request: Request, work: Awaitable[Any]) -> Response:
 
 
 def sse_event(chunk: dict) -> bytes:
+    """One SSE message; a ``NamedEvent`` (a denoise step) with its ``event:`` line."""
+    head = f"event: {chunk.event}\n" if isinstance(chunk, NamedEvent) else ""
     data = json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
     try:
-        return f"data: {data}\n\n".encode()
+        return f"{head}data: {data}\n\n".encode()
     except UnicodeEncodeError:  # a lone surrogate: escape everything instead
-        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+        return f"{head}data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
 
 
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:

@@ -212,6 +212,11 @@ class Serving:
             tok = self._local.tokenizer = copy.deepcopy(self.llm.engine.tokenizer)
         return tok
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of a few token ids (a traced request's tokens), with the calling
+        thread's own tokenizer."""
+        return self._tokenizer().decode(ids)
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, as the engine's request factory would make them (a pool
         thread: this is the one tokenization of the request)."""
