@@ -52,7 +52,10 @@ class StepEvent:
     """One denoise forward of one request. ``block_offset``: the output index of the block's
     first position (negative while the block still holds prompt tokens); ``step``: the
     forward's index within the block (0 = first); ``forward``: the request's denoise
-    forwards so far, this one included; ``masked``: positions still masked after it."""
+    forwards so far, this one included; ``masked``: positions still masked after it;
+    ``given``: on a block's first step, its output positions fixed before any denoise step
+    ``(position, token_id)`` (Fast-dLLM v2's first token, read by the previous block's
+    commit forward; empty for other models)."""
 
     block_index: int
     block_offset: int
@@ -61,7 +64,8 @@ class StepEvent:
     forward: int
     masked: tuple[int, ...]
     committed: tuple[Committed, ...]
-    done: bool  # the block has no mask left (its tokens are final)
+    done: bool  # the block resolved: no mask left and any edit phase over (tokens final)
+    given: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -135,10 +139,13 @@ class ReqTrace:
                     done: bool) -> None:
         """One denoise forward of the block at ``block_start`` (an absolute position):
         ``before``/``after`` its tokens around the step."""
+        given: tuple[tuple[int, int], ...] = ()
         if block_start != self._block_start:
             self._block_start, self._block_index, self._step = block_start, \
                 self._block_index + 1, 0
             self._at = {}
+            given = tuple((i, t) for i, (t, e) in enumerate(zip(before, editable, strict=True))
+                          if not e and block_start + i >= prompt_len)
         self._forwards += 1
         committed = []
         for i, (a, b, e) in enumerate(zip(before, after, editable, strict=True)):
@@ -153,7 +160,7 @@ class ReqTrace:
                            if e and t == mask_id)
             self.events.append(StepEvent(self._block_index, block_start - prompt_len,
                                          len(after), self._step, self._forwards, masked,
-                                         tuple(committed), done))
+                                         tuple(committed), done, given))
         self._step += 1
 
     def commit(self, tokens: list[int], positions: list[int]) -> None:

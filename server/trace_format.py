@@ -34,6 +34,7 @@ def step_event(ev: StepEvent, rid: str, index: int, decode: Decode) -> NamedEven
                        "text": decode([c.token_id]), "confidence": _num(c.confidence),
                        "logprob": _num(c.logprob), "edit": c.edit} for c in ev.committed],
         "done": ev.done,
+        "given": [{"position": i, "token_id": t, "text": decode([t])} for i, t in ev.given],
     })
 
 
