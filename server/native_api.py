@@ -19,7 +19,6 @@ from typing import Any
 
 from dllm.outputs import RequestOutput, StreamChunk
 from dllm.request import Req
-from dllm.trace import MAX_TOP_LOGPROBS
 from dllm.server.openai_api import collect, generation_failed
 from dllm.server.protocol import (
     GenerateRequest,
@@ -30,6 +29,7 @@ from dllm.server.protocol import (
 )
 from dllm.server.serving import RunningGroup, Serving, shutting_down
 from dllm.server.trace_format import native_logprobs, step_event
+from dllm.trace import MAX_TOP_LOGPROBS
 
 Obj = dict[str, Any]
 

@@ -24,7 +24,6 @@ from typing import Any
 from dllm.engine import embed_inputs
 from dllm.outputs import RequestOutput
 from dllm.sampling_params import SamplingParams
-from dllm.trace import MAX_TOP_LOGPROBS
 from dllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -39,6 +38,7 @@ from dllm.server.protocol import (
 )
 from dllm.server.serving import RunningGroup, Serving, shutting_down
 from dllm.server.trace_format import chat_logprobs, completion_logprobs, step_event
+from dllm.trace import MAX_TOP_LOGPROBS
 
 Chunk = dict[str, Any]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
