@@ -7,7 +7,7 @@ yellow, green, ...), and the current block's still-masked positions as ``░``. 
 (a pipe, a file) each step is one plain line, ``block B step S: text with _ for masks``
 (and ``block B start:`` for a block before its first step).
 Either way the answer ends with a line of statistics: tokens, forwards, tokens per forward
-and seconds."""
+and seconds (the drawing pauses left out)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ class Watcher:
         self.tty = self.out.isatty() if tty is None else tty
         self.delay = (DEFAULT_DELAY_S if self.tty else 0.0) if delay is None else delay
         self._lines = 0  # lines of the last in-place drawing
+        self._slept = 0.0  # seconds of --watch-delay pauses (left out of the time shown)
 
     def run(self, prompt: Any, params: Any) -> Any:
         """Run ``prompt`` (text, ids or chat messages) to its end, drawing each step; the
@@ -103,7 +104,7 @@ class Watcher:
             raise
         finally:
             e.drain()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - self._slept
         out = e.output_of(req)
         if self.tty:
             self._redraw(canvas.render(True, out.completion_tokens))
@@ -123,6 +124,7 @@ class Watcher:
         self.out.flush()
         if self.delay:
             time.sleep(self.delay)
+            self._slept += self.delay
 
     def _redraw(self, text: str) -> None:
         """Replace the last drawing with ``text`` (cursor back up over its lines)."""

@@ -18,6 +18,8 @@ function headers() {
   return h;
 }
 
+// A special token (<|endoftext|>, <|im_end|>, ...) is drawn as "end"; its name is its title.
+const show = (t) => (/^<\|[^|]*\|>$/.test(t) ? "end" : t.replace(/\n/g, "\u21b5") || "\u2205");
 const fmt = (x) => (x === null || x === undefined ? "?" : x.toFixed(3));
 
 function status(text) { $("status").textContent = text || ""; }
@@ -191,7 +193,7 @@ function drawBlock(block, ev, before) {
     let label, fill, fg = "#000";
     if (block.offset + i < 0) { label = "·"; fill = "#eee"; fg = "#aaa"; }  // prompt
     else if (cell === "mask" || cell === null) { label = MASK; fill = "#555"; fg = "#ccc"; }
-    else { label = cell.text.replace(/\n/g, "\u21b5") || "\u2205"; fill = stepColour(cell.step); }
+    else { label = show(cell.text); fill = stepColour(cell.step); }
     g.fillStyle = fill;
     g.fillRect(x + 2, y, w - 4, h);
     g.fillStyle = fg;
@@ -231,8 +233,8 @@ function addForward(div, ev) {
     const t = document.createElement("span");
     t.className = "tok";
     t.style.background = stepColour(ev.step);
-    t.textContent = c.text.replace(/\n/g, "\u21b5") || "\u2205";
-    t.title = `position ${c.position}, confidence ${fmt(c.confidence)}, ` +
+    t.textContent = show(c.text);
+    t.title = `${JSON.stringify(c.text)} at position ${c.position}, confidence ${fmt(c.confidence)}, ` +
       `logprob ${fmt(c.logprob)}${c.edit ? " (edit)" : ""}`;
     row.appendChild(t);
   }
