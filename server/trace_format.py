@@ -56,8 +56,16 @@ def completion_logprobs(lps: list[TokenLogprob], decode: Decode, offset: int = 0
         offsets.append(at)
         at += len(s)
     return {"tokens": tokens, "token_logprobs": [_num(t.logprob) for t in lps],
-            "top_logprobs": [{decode([i]): _num(v) for i, v in t.top} for t in lps],
-            "text_offset": offsets}
+            "top_logprobs": [_top_dict(t.top, decode) for t in lps], "text_offset": offsets}
+
+
+def _top_dict(top: tuple[tuple[int, float], ...], decode: Decode) -> dict[str, float | None]:
+    """``{text: logprob}`` best first; ids that decode to the same text (byte pieces of
+    one character) keep the best one's value."""
+    out: dict[str, float | None] = {}
+    for i, v in top:
+        out.setdefault(decode([i]), _num(v))
+    return out
 
 
 def chat_logprobs(lps: list[TokenLogprob], decode: Decode) -> Obj:
