@@ -43,10 +43,15 @@ class Result:
     error: str = ""
 
 
-async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Result:
+async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+              denoise_steps: bool = False, logprobs: int | None = None) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if denoise_steps:  # the step events arrive as named events, skipped below
+        body["stream_options"]["denoise_steps"] = True
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     start = time.perf_counter()
     ttft, tokens = None, 0
     try:
@@ -57,6 +62,8 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("object") == "denoise.step":
+                    continue
                 # The first token: a chunk with text, or (``continuous_usage_stats``, which
                 # dllm and vLLM send) one whose usage counts output tokens, text or not.
                 usage = chunk.get("usage") or {}
@@ -92,7 +99,8 @@ async def run(args: argparse.Namespace) -> dict:
         async def limited(p: str, delay: float) -> Result:
             await asyncio.sleep(delay)
             async with sem:
-                return await one(client, model, p, args.max_tokens)
+                return await one(client, model, p, args.max_tokens, args.denoise_steps,
+                                 args.logprobs)
 
         delays, t = [], 0.0
         for _ in prompts:
@@ -110,6 +118,7 @@ async def run(args: argparse.Namespace) -> dict:
     summary = {
         "model": model, "num_requests": len(results), "failed": len(results) - len(ok),
         "concurrency": args.concurrency, "request_rate": args.request_rate or "inf",
+        "denoise_steps": args.denoise_steps, "logprobs": args.logprobs,
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_tok_s": out_tokens / duration,
         **{f"ttft_{q}_ms": pct([r.ttft for r in ok], q) * 1e3 for q in (50, 90, 99)},
@@ -133,14 +142,20 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--denoise-steps", action="store_true",
+                    help="every request asks for step events (stream_options.denoise_steps)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="every request asks for logprobs with this many alternatives")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     s = asyncio.run(run(args))
     rows = [("requests/s", s["request_throughput"]), ("output tok/s", s["output_tok_s"])] + [
         (k, v) for k, v in s.items() if k.endswith("_ms")]
     table = "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v:.2f} |\n" for k, v in rows)
+    traced = (" (step events on)" if s["denoise_steps"] else "") + (
+        f" (logprobs {s['logprobs']})" if s["logprobs"] is not None else "")
     print(f"{s['num_requests']} requests ({s['failed']} failed), concurrency {s['concurrency']}, "
-          f"rate {s['request_rate']}, {s['duration_s']:.1f} s\n{table}")
+          f"rate {s['request_rate']}, {s['duration_s']:.1f} s{traced}\n{table}")
     when = stamp()
     write_report(args.out, "online", f"# Online benchmark {when}\n\n{table}", s, when)
     return 1 if s["failed"] else 0
