@@ -91,7 +91,7 @@ def trace_width(row_len: int, k: int) -> int:
     """The block width of a traced packed row of ``row_len`` columns (``B + 3`` usual
     columns, then ``trace_columns(B, k)``)."""
     b, rest = divmod(row_len - 4 - 2 * k, 3 + 2 * k)
-    if rest or b < 1:
+    if rest or b < 1 or b + 3 + trace_columns(b, k) != row_len:
         raise ValueError(f"a traced row of {row_len} columns fits no block (top {k})")
     return b
 

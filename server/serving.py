@@ -369,10 +369,14 @@ class Serving:
                           ) -> AsyncIterator[StreamChunk]:
         m = self.metrics
         seen: StreamChunk | None = None
+        first = True
         try:
             async with aclosing(stream):
                 async for chunk in stream:
-                    if seen is None:
+                    # The first output (a chunk of step events alone is not: TTFT counts
+                    # tokens, whether or not the request asked for steps).
+                    if first and (chunk.delta_token_ids or chunk.finished):
+                        first = False
                         self.prompt_tokens_done += req.prompt_len
                         if m is not None:
                             m.on_first_chunk(time.monotonic() - arrival)

@@ -16,7 +16,7 @@ from dllm.denoise import DenoisePost, trace_top
 from dllm.runner.forward_batch import AttentionMask, ForwardMode
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.harness import forbid_host_sync, forward_full, run_staggered
-from dllm.trace import StepEvent, TokenLogprob
+from dllm.trace import StepEvent, TokenLogprob, trace_columns
 
 ALGORITHMS = {
     "low_confidence_static": {"steps_per_block": 2},
@@ -245,7 +245,8 @@ def test_traced_step_has_no_host_sync(llm):
         out = e.runner.forward(batch, post)
     result = DenoisePost.read(out, post.trace)
     assert len(result.trace) == len(reqs) and len(result.trace[0].top[0]) == 4
-    assert out[0].shape[1] == e.block_size + 3 + 2 * e.block_size * 5 + 1 + 2 * 4
+    assert out[0].shape[1] == e.block_size + 3 + trace_columns(e.block_size, 4)
+    assert trace_columns(e.block_size, 4) == 2 * e.block_size * 5 + 1 + 2 * 4
     for r in reqs:
         e.abort(r.rid)
     e.check_memory()
