@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-DLLM = [sys.executable, "-c", "import sys; from dllm.server.cli import main; sys.exit(main())"]
-
 from dllm import LLM, SamplingParams
 from dllm.watch import MASK_TTY, STEP_COLOURS, Watcher
 
+# The CLI as the console script runs it (``main`` reads sys.argv).
+DLLM = [sys.executable, "-c", "import sys; from dllm.server.cli import main; sys.exit(main())"]
 QUESTION = [{"role": "user", "content": "What is 348 + 127?"}]
 ONE_PER_STEP = {"algorithm": "low_confidence_static", "steps_per_block": 8}
 
