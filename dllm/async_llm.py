@@ -292,7 +292,7 @@ class AsyncLLM:
         chunk = self._chunk(stream)
         if chunk.finished:
             self._streams.pop(req.rid, None)
-        if chunk.finished or chunk.delta_text or chunk.delta_token_ids:
+        if chunk.finished or chunk.delta_text or chunk.delta_token_ids or chunk.steps:
             self._send(stream, chunk)
 
     def _chunk(self, stream: _Stream) -> StreamChunk:
@@ -310,12 +310,17 @@ class AsyncLLM:
         if delta_text:
             stream.sent_text = text
         delta_ids = req.output_ids[stream.sent_tokens:]
+        trace = req.trace
+        delta_logprobs = (trace.logprobs[stream.sent_tokens:len(req.output_ids)]
+                          if trace is not None and trace.top is not None else None)
         stream.sent_tokens = len(req.output_ids)
         return StreamChunk(
             rid=req.rid, delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             output=self.engine.output_of(req) if finished else None,
+            steps=trace.take_events() if trace is not None else [],
+            delta_logprobs=delta_logprobs,
         )
 
 

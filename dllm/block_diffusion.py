@@ -50,7 +50,14 @@ from typing import Any
 
 import torch
 
-from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
+from dllm.denoise import (
+    DenoisePost,
+    config_rows,
+    graph_group,
+    sampling_rows,
+    state_rows,
+    trace_top,
+)
 from dllm.request import BlockState, Req
 from dllm.runner.forward_batch import (
     AttentionMask,
@@ -184,6 +191,8 @@ class BlockDiffusionScheduler(Scheduler):
             gates.append(gate)
             batch.rows[-1] = Row(req, blk, track)
         reqs = [req for req, _ in rows]
+        if (top := trace_top(reqs)) is not None:  # a traced batch replays its own graph
+            batch.row_groups = [graph_group(g, top) for g in batch.row_groups]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
             step=[blk.step for _, blk in rows],
@@ -246,7 +255,7 @@ class BlockDiffusionScheduler(Scheduler):
 
     def apply_denoise(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         """Apply one step's result; returns the requests that committed a block or finished."""
-        result = DenoisePost.read(output)
+        result = DenoisePost.read(output, trace_top([row.req for row in batch.rows]))
 
         def apply_row(r: int, req: Req) -> bool:
             blk, track = batch.rows[r].block, batch.rows[r].track
@@ -258,17 +267,23 @@ class BlockDiffusionScheduler(Scheduler):
                 if req.denoise.block is blk:
                     req.denoise.block = None
                 if self.logits_shift:
+                    if req.trace is not None:
+                        req.trace.commit_next(result.next_token[r], result.trace[r])
                     self.commit_tokens(req, [result.next_token[r]])
                     return True
                 return False
             req.num_denoise_forwards += 1
             req.track_busy.discard(track)  # gated off: a denoise step after all
+            if req.trace is not None:
+                req.trace.record_step(blk.start, req.prompt_len, blk.tokens, result.tokens[r],
+                                      blk.editable, self.config.mask_token_id,
+                                      result.trace[r], result.done[r])
             blk.tokens = result.tokens[r]
             blk.transfers += result.num_transferred[r]
             if result.done[r]:
                 self._resolve(req, blk)
                 return True
-            return False
+            return req.trace is not None and req.trace.keep_events
 
         return self.apply_rows(batch, apply_row)
 
@@ -277,8 +292,7 @@ class BlockDiffusionScheduler(Scheduler):
         A request that ends inside this block needs no commit forward (its KV would never be
         read again). A forward launched on it since (overlap) was its commit forward."""
         req.num_blocks_committed += 1
-        if not self.commit_tokens(req, [t for t, e in zip(blk.tokens, blk.editable,
-                                                          strict=True) if e]):
+        if not self.commit_traced(req, blk.tokens, blk.editable):
             blk.resolved = True
             blk.commit_launched = req.inflight > 0
 

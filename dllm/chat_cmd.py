@@ -35,6 +35,14 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history", type=int, default=None,
                    help="earlier exchanges the model sees (default: all; "
                         f"{BUILTIN_HISTORY} for the built-in model)")
+    p.add_argument("--watch", action="store_true",
+                   help="show each answer as it denoises: the block redrawn after every "
+                        "denoise step (masked positions as ░, tokens coloured by the step "
+                        "that committed them), then forwards, tokens per forward and time; "
+                        "one plain line per step when stdout is not a terminal")
+    p.add_argument("--watch-delay", type=float, default=None, metavar="SECONDS",
+                   help="with --watch: pause after each drawn step (default 0.08 on a "
+                        "terminal, 0 otherwise)")
     p.add_argument("--stats", action="store_true",
                    help="after each answer, print its statistics on stderr: tokens, forwards, "
                         "tokens per forward, seconds, tokens per second")
@@ -63,9 +71,19 @@ def run_chat(args: argparse.Namespace) -> int:
     keep = args.history if args.history is not None else (
         BUILTIN_HISTORY if args.model in (None, "builtin-hybrid") else None)
 
+    watch = getattr(args, "watch", False)
+
     def reply(history: list[dict[str, Any]]) -> str:
         start = time.perf_counter()
-        out = llm.chat(prompt_messages(history, args.system, keep), params)[0]
+        messages = prompt_messages(history, args.system, keep)
+        if watch:
+            from dllm.watch import Watcher
+
+            out = Watcher(llm.engine, delay=args.watch_delay).run(messages, params)
+            if out.error:
+                raise RuntimeError(out.error)
+            return out.text.strip()
+        out = llm.chat(messages, params)[0]
         if out.error:
             raise RuntimeError(out.error)
         if getattr(args, "stats", False):
@@ -73,9 +91,11 @@ def run_chat(args: argparse.Namespace) -> int:
         return out.text.strip()
 
     if args.message is not None:
-        print(reply([{"role": "user", "content": args.message}]), flush=True)
+        answer = reply([{"role": "user", "content": args.message}])
+        if not watch:  # the watch view has drawn it
+            print(answer, flush=True)
         return 0
-    return interactive(reply, llm.engine.info.path, args.model is None)
+    return interactive(reply, llm.engine.info.path, args.model is None, echo=not watch)
 
 
 def answer_stats(out: Any, seconds: float) -> str:
@@ -89,7 +109,8 @@ def answer_stats(out: Any, seconds: float) -> str:
             f"{n / max(seconds, 1e-9):.1f} tokens/s]")
 
 
-def interactive(reply, model_path: str, builtin: bool = False) -> int:
+def interactive(reply, model_path: str, builtin: bool = False, echo: bool = True) -> int:
+    """``echo``: print each answer (False: ``reply`` has shown it, ``--watch``)."""
     try:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
@@ -116,4 +137,5 @@ def interactive(reply, model_path: str, builtin: bool = False) -> int:
             print(file=sys.stderr)
             return 130
         history.append({"role": "assistant", "content": answer})
-        print(answer, flush=True)
+        if echo:
+            print(answer, flush=True)

@@ -1,5 +1,10 @@
 """The post-step of a ``DLLM_EXTEND`` forward: align the logits, run each row's unmasking
-algorithm on the device, and pack the result into one small tensor for the host."""
+algorithm on the device, and pack the result into one small tensor for the host.
+
+A batch with a traced request (``SamplingParams.denoise_steps`` or ``logprobs``) appends
+trace columns to that tensor (``dllm.trace``): per position the algorithm's confidence and
+the log-probability of the output token, and the top alternatives when asked, so they
+reach the host in the same copy. Other batches compute none of it."""
 
 from __future__ import annotations
 
@@ -10,10 +15,12 @@ import torch
 
 from dllm.algorithms import ALGORITHMS, get_algorithm
 from dllm.algorithms.base import KEY_SPECS, DenoiseInput, SamplingTensors
+from dllm.algorithms.sampling import log_normalizer
 from dllm.models.parallel import map_leading
 from dllm.request import BlockState, DenoiseState, Req
 from dllm.runner.forward_batch import ForwardBatch
 from dllm.runner.input_registry import InputRegistry
+from dllm.trace import RowTrace, trace_width, unpack_row
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,7 @@ class DenoiseResult:
     # Shifted-logits models (Fast-dLLM v2): the greedy token read at the block's last
     # position, the next block's first token on a commit row; -1 otherwise.
     next_token: list[int]
+    trace: list[RowTrace] | None = None  # traced batches: every row's trace columns
 
 
 ROW_INPUTS = {  # name -> (dtype, pad)
@@ -113,6 +121,33 @@ def state_rows(reqs: list[Req], device: torch.device) -> dict[str, torch.Tensor]
             for k in keys}
 
 
+def trace_top(reqs: list[Req]) -> int | None:
+    """The trace a batch computes: None when no request asked for one, else the most
+    log-probability alternatives any of them asked for (0: the output token's only)."""
+    tops = [r.params.logprobs or 0 for r in reqs if r.params.traced]
+    return max(tops) if tops else None
+
+
+_TRACE_TAG = "#trace"
+
+
+def graph_group(algorithm: str, top: int | None) -> str:
+    """The captured-graph group of a batch's rows: the algorithm, tagged with the trace
+    (a traced batch replays a graph of its own; untraced graphs are unchanged)."""
+    return algorithm if top is None else f"{algorithm}{_TRACE_TAG}{top}"
+
+
+def parse_group(group: str) -> tuple[str, int | None]:
+    """Inverse of ``graph_group``."""
+    name, tag, top = group.partition(_TRACE_TAG)
+    return name, (int(top) if tag else None)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 values as int64 columns holding their bits (one packed copy for all)."""
+    return t.float().contiguous().view(torch.int32).to(torch.int64)
+
+
 class DenoisePost:
     """Runs on the device right after the forward, with no host synchronisation: every
     per-row input comes from the runner's static registry (``fb.extras``). ``groups`` maps
@@ -120,8 +155,11 @@ class DenoisePost:
     all rows of a padded batch."""
 
     def __init__(self, groups: dict[str, list[int]], num_rows: int, mask_token_id: int,
-                 logits_shift: int, flags: tuple[bool, bool, bool] = (True, True, True)):
+                 logits_shift: int, flags: tuple[bool, bool, bool] = (True, True, True),
+                 trace: int | None = None):
+        """``trace``: None, or the top alternatives the trace columns carry (``trace_top``)."""
         self.groups = groups
+        self.trace = trace
         self.flags = flags
         self.num_rows = num_rows
         self.mask_token_id = mask_token_id
@@ -136,12 +174,13 @@ class DenoisePost:
             if not blk.resolved:  # commit rows only write their KV
                 groups[r.denoise.algorithm].append(i)
         return cls(dict(groups), len(reqs), mask_token_id, logits_shift,
-                   sampling_flags(sampling_rows(reqs)))
+                   sampling_flags(sampling_rows(reqs)), trace_top(reqs))
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
                  logits: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         bs, b = self.num_rows, fb.block_size
         logits = logits[: bs * b].view(bs, b, -1)
+        last_logits = logits[:, -1]
         # Fast-dLLM v2's commit pass takes the next block's first token greedily from the
         # block's last position (its reference does so at any temperature).
         next_token = (logits[:, -1].argmax(dim=-1) if self.logits_shift else
@@ -160,6 +199,9 @@ class DenoisePost:
         done = torch.zeros(bs, dtype=torch.int64, device=logits.device)
         transferred = torch.zeros_like(done)
         states: dict[str, torch.Tensor] = {}
+        # Traced batches: each row's confidence (NaN where its algorithm reports none).
+        conf = (torch.full((bs, b), float("nan"), device=logits.device)
+                if self.trace is not None else None)
         for name, rows in self.groups.items():
             algo = get_algorithm(name)
             # One algorithm for the whole batch (always so in a CUDA graph): no gather.
@@ -181,6 +223,9 @@ class DenoisePost:
                 block_len=take(full["fd.block_len"]) if "fd.block_len" in full else None,
             )
             out = algo.step(x)
+            if conf is not None and out.confidence is not None:
+                c = out.confidence() if callable(out.confidence) else out.confidence
+                conf = c.float() if idx is None else conf.index_copy(0, idx, c.float())
             if idx is None:
                 out_tokens, done = out.tokens, out.done.to(torch.int64)
                 transferred = out.num_transferred.to(torch.int64)
@@ -194,17 +239,57 @@ class DenoisePost:
                 states[k].index_copy_(0, idx, v)
         packed = torch.cat([out_tokens, done[:, None], transferred[:, None],
                             next_token[:, None]], dim=1)
+        if conf is not None:
+            packed = torch.cat([packed, self._trace(logits, last_logits, out_tokens,
+                                                    next_token, conf)], dim=1)
         return packed, states
 
+    def _trace(self, logits: torch.Tensor, last_logits: torch.Tensor, tokens: torch.Tensor,
+               next_token: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        """The trace columns (``dllm.trace.trace_columns``): ``log_softmax`` of the aligned
+        logits at each output token, the algorithm's confidence (the probability where it
+        reports none), the top-``k`` alternatives, and the same for the next block's first
+        token read at the last position (0 for models without shifted logits)."""
+        bs, b = tokens.shape
+        k = self.trace
+        raw = logits.float()
+        norm = log_normalizer(raw)  # [bs, B], summed in a fixed order: batch-invariant
+        lp = raw.gather(-1, tokens[..., None]).squeeze(-1) - norm
+        conf = torch.where(torch.isnan(conf), lp.exp(), conf)
+        cols = [_bits(conf), _bits(lp)]
+        if k:
+            top = raw.topk(k, dim=-1)
+            cols += [top.indices.reshape(bs, b * k),
+                     _bits(top.values - norm[..., None]).reshape(bs, b * k)]
+        last = last_logits.float()
+        nxt = next_token.clamp(min=0)
+        last_norm = log_normalizer(last)
+        next_lp = last.gather(-1, nxt[:, None]).squeeze(-1) - last_norm
+        if not self.logits_shift:
+            next_lp = torch.zeros_like(next_lp)
+        cols.append(_bits(next_lp)[:, None])
+        if k:
+            top = last.topk(k, dim=-1)
+            cols += [top.indices, _bits(top.values - last_norm[:, None])]
+        return torch.cat(cols, dim=1)
+
     @staticmethod
-    def read(output: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> DenoiseResult:
-        """The one host read of a denoise step."""
+    def read(output: tuple[torch.Tensor, dict[str, torch.Tensor]],
+             trace: int | None = None) -> DenoiseResult:
+        """The one host read of a denoise step. ``trace``: a traced batch's ``trace_top``
+        (its rows carry trace columns after the usual ones)."""
         packed, states = output
         rows = packed.tolist()
+        if trace is not None:
+            k = trace
+            b = trace_width(len(rows[0]), k)
+            traced = [unpack_row(r[b + 3:], b, k) for r in rows]
+            rows = [r[: b + 3] for r in rows]
         return DenoiseResult(
             tokens=[r[:-3] for r in rows],
             done=[bool(r[-3]) for r in rows],
             num_transferred=[r[-2] for r in rows],
             state=[{k: v[i] for k, v in states.items()} for i in range(len(rows))],
             next_token=[r[-1] for r in rows],
+            trace=traced if trace is not None else None,
         )

@@ -83,7 +83,8 @@ class Engine:
         self.step_count = 0
         self.requests = RequestFactory(self.tokenizer, self.info, layout, self.task,
                                        self.context_length, self.scheduler.check_fits,
-                                       lambda: self.step_count, cfg.seed)
+                                       lambda: self.step_count, cfg.seed,
+                                       self.ranks.world)
         self.make_request, self.make_embed_request = (self.requests.make_request,
                                                       self.requests.make_embed_request)
         self.tokenize, self.apply_chat_template = (self.requests.tokenize,

@@ -62,7 +62,7 @@ import torch
 
 from dllm.algorithms.base import SamplingTensors, UnmaskingAlgorithm
 from dllm.algorithms.dream import dream_probs, dream_propose
-from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows
+from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows, trace_top
 from dllm.request import BlockState, FinishReason, Req
 from dllm.runner.forward_batch import (
     AttentionMask,
@@ -271,7 +271,7 @@ class FullDiffusionScheduler(Scheduler):
         if output is None:
             return []
         self._tick += 1
-        result = DenoisePost.read(output)
+        result = DenoisePost.read(output, trace_top([row.req for row in batch.rows]))
 
         def apply_row(r: int, req: Req) -> bool:
             # Rows past the stepped requests are CFG twins (no result of their own).
@@ -282,15 +282,20 @@ class FullDiffusionScheduler(Scheduler):
             req.num_denoise_forwards += 1
             blk = req.full.block
             blk.step += 1
-            blk.tokens = result.tokens[r][: len(blk.tokens)]
+            tokens = result.tokens[r][: len(blk.tokens)]
+            if req.trace is not None:
+                req.trace.record_step(blk.start, req.prompt_len, blk.tokens, tokens,
+                                      blk.editable, self.config.mask_token_id,
+                                      result.trace[r], result.done[r])
+            blk.tokens = tokens
             blk.transfers += result.num_transferred[r]
             blk.algo_state = result.state[r]
             if result.done[r]:
                 req.num_blocks_committed += 1
                 req.full.block = None
-                self.commit_tokens(req, blk.tokens)
+                self.commit_traced(req, blk.tokens, blk.editable)
                 return True
-            return False
+            return req.trace is not None and req.trace.keep_events
 
         return self.apply_rows(batch, apply_row)
 
@@ -381,7 +386,12 @@ class FullDiffusionPost:
         tokens[:, 0] = first
         done = (ex["fd.block_len"][:n] <= 1).to(packed.dtype)
         one = torch.ones_like(done)
-        patched = torch.cat([tokens, done[:, None], one[:, None], packed[:, -1:]], dim=1)
+        tail = packed[:, width + 2:]  # the next token (and a traced batch's trace columns)
+        if self.denoise.trace is not None:  # the trace of the token this path chose
+            nan = torch.full(tokens.shape, float("nan"), device=tokens.device)
+            tail = torch.cat([tail[:, :1], self.denoise._trace(
+                logits, logits[:, -1], tokens, tail[:, 0], nan)], dim=1)
+        patched = torch.cat([tokens, done[:, None], one[:, None], tail], dim=1)
         packed = torch.where(flag[:, None], patched, packed)
         states = {k: torch.where(flag, torch.zeros_like(v), v) for k, v in states.items()}
         return packed, states

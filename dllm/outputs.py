@@ -3,8 +3,10 @@ block when streaming."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from dllm.trace import StepEvent, TokenLogprob
 
 if TYPE_CHECKING:
     from dllm.request import Req
@@ -23,6 +25,8 @@ class RequestOutput:
     error: str | None = None
     prompt_token_ids: list[int] | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
+    # ``SamplingParams.logprobs``: one per token of ``token_ids`` (``dllm.trace``)
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def of(cls, req: Req, text: str) -> RequestOutput:
@@ -33,7 +37,9 @@ class RequestOutput:
             prompt_tokens=req.prompt_len, num_forward_passes=req.num_forward_passes,
             num_denoise_forwards=req.num_denoise_forwards, num_blocks=req.num_blocks_committed,
             error=req.error, prompt_token_ids=list(req.prompt_ids),
-            cached_tokens=req.cached_tokens)
+            cached_tokens=req.cached_tokens,
+            logprobs=(list(req.trace.logprobs) if req.trace is not None
+                      and req.trace.top is not None else None))
 
     @property
     def completion_tokens(self) -> int:
@@ -54,6 +60,10 @@ class StreamChunk:
     prompt_tokens: int
     completion_tokens: int
     output: RequestOutput | None = None  # set on the last chunk
+    # ``SamplingParams.denoise_steps``: the denoise steps since the last chunk, in order
+    steps: list[StepEvent] = field(default_factory=list)
+    # ``SamplingParams.logprobs``: one per id of ``delta_token_ids``
+    delta_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dllm.sampling_params import SamplingParams
+from dllm.trace import ReqTrace
 
 
 class ReqStatus(enum.Enum):
@@ -148,6 +149,12 @@ class Req:
     # The output's text, decoded incrementally (``StopChecker.text_of``): shared by the
     # stop-string search and streaming.
     text: Any = field(default=None, repr=False)
+    # Requests that asked for step events or log-probabilities (``dllm.trace``).
+    trace: ReqTrace | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.trace is None and self.params.traced:
+            self.trace = ReqTrace(self.params.denoise_steps, self.params.logprobs)
 
     def _view(self, kind: type) -> Any:
         if not isinstance(self.state, kind):

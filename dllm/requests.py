@@ -89,8 +89,9 @@ class RequestFactory:
 
     def __init__(self, tokenizer: Any, info: ModelInfo, layout: GenerationLayout, task: str,
                  context_length: int, check_fits: Callable[[Req], None],
-                 clock: Callable[[], int], seed: int):
+                 clock: Callable[[], int], seed: int, tensor_parallel_size: int = 1):
         self.tokenizer = tokenizer
+        self.tensor_parallel_size = tensor_parallel_size
         self.info = info
         self.layout = layout
         self.task = task
@@ -158,6 +159,11 @@ class RequestFactory:
         """The request's state of its kind (the algorithm and its validated settings; for
         full attention also the cache mode and CFG scale) and its block size."""
         lay = self.layout
+        if params.traced and self.tensor_parallel_size > 1:
+            # The trace's log-softmax reads whole-vocabulary logits; each rank holds a slice.
+            raise ValueError("logprobs and denoise steps are not recorded under tensor "
+                             f"parallelism yet (tensor_parallel_size "
+                             f"{self.tensor_parallel_size}); serve with one rank to use them")
         dllm = dict(params.dllm)
         name = dllm.pop("algorithm", None) or lay.algorithm_name
         merged = {**lay.algorithm_config, **dllm}
@@ -172,6 +178,9 @@ class RequestFactory:
             return DenoiseState(name, config), lay.block_size
         if dllm:
             raise ValueError(f"dllm settings apply to diffusion models; "
+                             f"{self.info.architecture} is autoregressive")
+        if params.traced:
+            raise ValueError(f"logprobs and denoise steps are recorded for diffusion models; "
                              f"{self.info.architecture} is autoregressive")
         return AutoregressiveState(), lay.block_size
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dllm.algorithms.base import KEY_SPECS, KNOWN_KEYS
+from dllm.trace import MAX_TOP_LOGPROBS
 
 # Per-request diffusion keys accepted inside ``SamplingParams.dllm`` (DESIGN §5).
 DLLM_KEYS = KNOWN_KEYS
@@ -27,6 +28,11 @@ class SamplingParams:
     output is cut inside it. ``temperature == 0`` is greedy and deterministic. ``seed`` fixes
     the request's own random stream (independent of the batch it runs in). ``dllm`` holds
     per-request diffusion settings, e.g. ``{"algorithm": "threshold", "threshold": 0.9}``.
+
+    Diffusion models only (``dllm.trace``): ``denoise_steps`` records one ``StepEvent`` per
+    denoise forward (streamed with the chunks); ``logprobs`` (0 to 20) records each output
+    token's log-probability under the forward that committed it, with that many top
+    alternatives. Requests that set neither cost nothing extra.
     """
 
     max_new_tokens: int = 128
@@ -38,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     dllm: dict[str, Any] = field(default_factory=dict)
+    denoise_steps: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,11 +72,20 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be a boolean")
+        if not isinstance(self.denoise_steps, bool):
+            raise ValueError("denoise_steps must be a boolean")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
         unknown = sorted(set(self.dllm) - DLLM_KEYS)
         if unknown:
             raise ValueError(f"unknown dllm setting(s): {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(DLLM_KEYS))}")
         check_dllm_values(self.dllm)
+
+    @property
+    def traced(self) -> bool:
+        """The request asked for step events or log-probabilities."""
+        return self.denoise_steps or self.logprobs is not None
 
     @property
     def effective_top_k(self) -> int:

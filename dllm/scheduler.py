@@ -354,6 +354,16 @@ class Scheduler(ABC):
                 changed.append(req)
         return changed
 
+    def commit_traced(self, req: Req, tokens: list[int], editable: list[bool]) -> bool:
+        """``commit_tokens`` of a resolved block's editable positions, recording their
+        log-probabilities for a traced request."""
+        positions = [i for i, e in enumerate(editable) if e]
+        before = len(req.output_ids)
+        ended = self.commit_tokens(req, [tokens[i] for i in positions])
+        if req.trace is not None:
+            req.trace.commit(req.output_ids[before:], positions)
+        return ended
+
     def commit_tokens(self, req: Req, new_tokens: list[int]) -> bool:
         """Apply the stop rules to newly final tokens; returns True if the request ended."""
         res = self.stop_checker.check(req, new_tokens)

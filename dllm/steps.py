@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dllm.autoregressive import SampleNext
-from dllm.denoise import DenoisePost, denoise_inputs
+from dllm.denoise import DenoisePost, denoise_inputs, parse_group
 from dllm.embedding import pool_parts
 from dllm.full_diffusion import FullDiffusionPost, full_diffusion_inputs
 from dllm.runner.forward_batch import ForwardBatch, StepKind
@@ -36,6 +36,13 @@ def _read_denoise(output: tuple[torch.Tensor, dict[str, torch.Tensor]]
     return HostCopy(packed), states
 
 
+def _capture_denoise(bs: int, group: str, flags: tuple[bool, bool, bool],
+                     mask_token_id: int | None, logits_shift: int) -> DenoisePost:
+    """The post-step a graph of ``group`` (``dllm.denoise.graph_group``) captures."""
+    name, trace = parse_group(group)
+    return DenoisePost({name: list(range(bs))}, bs, mask_token_id, logits_shift, flags, trace)
+
+
 def step_specs(mask_token_id: int | None, logits_shift: int,
                compute_logits: Callable[[], Callable[[torch.Tensor], torch.Tensor]]
                ) -> dict[StepKind, StepSpec]:
@@ -47,8 +54,8 @@ def step_specs(mask_token_id: int | None, logits_shift: int,
             lambda b: DenoisePost.for_reqs([r.req for r in b.rows], [r.block for r in b.rows],
                                            mask_token_id, logits_shift),
             read=_read_denoise,
-            capture=lambda bs, group, flags: DenoisePost(
-                {group: list(range(bs))}, bs, mask_token_id, logits_shift, flags)),
+            capture=lambda bs, group, flags: _capture_denoise(
+                bs, group, flags, mask_token_id, logits_shift)),
         StepKind.SAMPLE: StepSpec(SampleNext.for_batch, read=HostCopy,
                                   capture=lambda bs, group, flags: SampleNext(flags)),
         StepKind.FULL_STEP: StepSpec(lambda b: FullDiffusionPost.for_batch(

@@ -44,6 +44,7 @@ from dllm.server.protocol import (
     validate,
 )
 from dllm.server.serving import Serving, StatsLogger, shutting_down
+from dllm.server.trace_format import NamedEvent
 
 logger = logging.getLogger("dllm.server")
 DISCONNECT_POLL_S = 0.25
@@ -99,8 +100,9 @@ class ServerState:
         names = ", ".join(repr(n) for n in s.model_names)
         what = "embeddings at /v1/embeddings" if s.task == "embed" else \
             "/v1/completions, /v1/chat/completions"
+        page = "" if self.config.no_web_ui or s.task == "embed" else f"; the page at {url}/"
         return (f"serving {s.model_path} ({self.llm.engine.info.architecture}) as {names} at "
-                f"{url}/v1 ({what}; /health, /metrics)")
+                f"{url}/v1 ({what}; /health, /metrics{page})")
 
     async def log_stats(self) -> None:
         """The periodic stats line (``--log-stats-interval``), once the model is ready."""
@@ -158,6 +160,10 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
     app.state.dllm = state
     _add_error_handlers(app)
     _add_routes(app, state)
+    if not config.no_web_ui:
+        from dllm.server.web_ui import add_web_routes
+
+        add_web_routes(app, state)
     # Added last = outermost: auth answers first, then the header and content-type checks,
     # all before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
@@ -349,11 +355,13 @@ async def _answer(request: Request, work: Awaitable[Any]) -> Response:
 
 
 def sse_event(chunk: dict) -> bytes:
+    """One SSE message; a ``NamedEvent`` (a denoise step) with its ``event:`` line."""
+    head = f"event: {chunk.event}\n" if isinstance(chunk, NamedEvent) else ""
     data = json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
     try:
-        return f"data: {data}\n\n".encode()
+        return f"{head}data: {data}\n\n".encode()
     except UnicodeEncodeError:  # a lone surrogate: escape everything instead
-        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+        return f"{head}data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
 
 
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:

@@ -103,6 +103,9 @@ class ServerConfig:
         "help": "CORS: the request headers allowed (with --allowed-origins)"})
     allow_credentials: bool = field(default=False, metadata={
         "help": "CORS: allow cookies and authorization headers (with --allowed-origins)"})
+    no_web_ui: bool = field(default=False, metadata={
+        "help": "serve no page at / (the page shows a prompt's block as it denoises, over "
+                "the API; it asks for the key under --api-key)"})
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:

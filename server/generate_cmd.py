@@ -61,6 +61,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="JSONL output in the OpenAI batch output shape (appended; "
                                     "custom_ids already there are skipped)")
     p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
+    p.add_argument("--watch", action="store_true",
+                   help="one prompt: show it denoise (the block redrawn after every denoise "
+                        "step, masked positions as ░, tokens coloured by their step), then "
+                        "forwards, tokens per forward and time; plain lines when stdout is not "
+                        "a terminal")
+    p.add_argument("--watch-delay", type=float, default=None, metavar="SECONDS",
+                   help="with --watch: pause after each drawn step (default 0.08 on a "
+                        "terminal, 0 otherwise)")
     g = p.add_argument_group("sampling (defaults for input lines that do not set them)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: 128, capped by the context length")
@@ -87,6 +95,10 @@ def run_generate(args: argparse.Namespace) -> int:
         check_output_path(args.output, "a JSONL file (created, or appended to)")
     elif not args.prompt:
         raise ValueError("give a prompt, or --input FILE --output FILE")
+    if getattr(args, "watch", False):
+        if args.input:
+            raise ValueError("--watch shows one prompt; it does not go with --input/--output")
+        return watch_prompt(args)
 
     from dllm.async_llm import AsyncLLM
     from dllm.engine import Engine
@@ -114,6 +126,35 @@ def run_generate(args: argparse.Namespace) -> int:
         return asyncio.run(run_prompt(api, args.prompt, args.chat, defaults))
     finally:
         llm.shutdown()
+
+
+def watch_prompt(args: argparse.Namespace) -> int:
+    """``--watch``: the one prompt drawn as it denoises (``dllm.watch``)."""
+    from dllm.engine import Engine
+    from dllm.sampling_params import SamplingParams
+    from dllm.watch import Watcher
+
+    engine = Engine(engine_config_from_args(args))
+    try:
+        if engine.mask_token_id is None:
+            raise ValueError("--watch shows a diffusion model denoise; "
+                             f"{engine.info.architecture} is autoregressive")
+        d = sampling_defaults(args)
+        params = SamplingParams(
+            max_new_tokens=d.get("max_tokens", min(128, engine.max_new_tokens_room(
+                [{"role": "user", "content": args.prompt}] if args.chat else args.prompt))),
+            temperature=d.get("temperature", 0.0), top_p=d.get("top_p", 1.0),
+            top_k=d.get("top_k", 0), stop=d.get("stop"), dllm=d.get("dllm") or {})
+        if not args.chat and is_chat_only(engine.info.path):
+            print("dllm: hint: this model was trained on chat messages only; add --chat (or "
+                  "use dllm chat) to have the prompt answered", file=sys.stderr)
+        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        out = Watcher(engine, delay=args.watch_delay).run(prompt, params)
+        if out.error:
+            raise RuntimeError(out.error)
+        return 0
+    finally:
+        engine.shutdown()
 
 
 def is_chat_only(path: str) -> bool:

@@ -2,7 +2,9 @@
 
 Body: ``text`` (a string or a list) or ``input_ids`` (a list of ids or a list of lists),
 ``sampling_params`` {max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
-ignore_eos, seed, dllm}, ``stream``, optional ``rid``. Answer per prompt:
+ignore_eos, seed, dllm}, ``stream``, optional ``rid``, ``return_logprob`` (with
+``top_logprobs_num``: ``meta_info.output_token_logprobs`` / ``output_top_logprobs``) and
+``stream_options.denoise_steps`` (named ``denoise_step`` events, as on the OpenAI routes). Answer per prompt:
 ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
 "finish_reason": {"type", "matched"}, ...}}`` (a list for a list of prompts). Streaming (one
 prompt) sends that object after each committed block, with the text and ids so far (SGLang's
@@ -26,6 +28,8 @@ from dllm.server.protocol import (
     validate,
 )
 from dllm.server.serving import RunningGroup, Serving, shutting_down
+from dllm.server.trace_format import native_logprobs, step_event
+from dllm.trace import MAX_TOP_LOGPROBS
 
 Obj = dict[str, Any]
 
@@ -46,10 +50,16 @@ class NativeServing:
             raise bad_request("streaming a list of prompts is not supported; send one request "
                               "per prompt", "stream")
         sp = req.sampling_params
+        if req.top_logprobs_num is not None and not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                              f"{req.top_logprobs_num}", "top_logprobs_num")
+        steps = req.stream and bool(req.stream_options and req.stream_options.denoise_steps)
         params = self.serving.sampling_params(
-            {k: getattr(sp, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k",
-                                         "stop", "stop_token_ids", "ignore_eos", "seed",
-                                         "dllm")}, "max_new_tokens")
+            {**{k: getattr(sp, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k",
+                                            "stop", "stop_token_ids", "ignore_eos", "seed",
+                                            "dllm")},
+             "logprobs": (req.top_logprobs_num or 0) if req.return_logprob else None,
+             "denoise_steps": steps or None}, "max_new_tokens")
         gid = req.rid or f"gen-{uuid.uuid4().hex}"
         reqs = await self.serving.make(gid, prompts, params, sp.max_new_tokens is not None,
                                        "max_new_tokens")
@@ -66,6 +76,8 @@ class NativeServing:
         text, ids = "", []
         try:
             async for _, part in group:
+                for ev in part.steps:
+                    yield step_event(ev, req.rid, 0, self.serving.decode)
                 if part.output is not None:
                     if part.output.finish_reason == "error":
                         yield generation_failed(part.output).to_dict()
@@ -75,6 +87,8 @@ class NativeServing:
                         return
                     yield result(req, part.output, time.monotonic() - arrival)
                     return
+                if not (part.delta_text or part.delta_token_ids):
+                    continue  # step events only
                 text += part.delta_text
                 ids += part.delta_token_ids
                 yield {"text": text, "output_ids": list(ids), "meta_info": _progress(req, part)}
@@ -91,6 +105,7 @@ def result(req: Req, out: RequestOutput, seconds: float) -> Obj:
         "num_denoise_forwards": out.num_denoise_forwards,
         "num_blocks": out.num_blocks,
         "e2e_latency": round(seconds, 6),
+        **(native_logprobs(out.logprobs) if out.logprobs is not None else {}),
     }}
 
 

@@ -5,6 +5,9 @@ A request with several prompts (``prompt: [..]``) runs them together; each is a 
 Streaming yields one chunk per committed block of any choice (the chunk's ``index`` says
 which), and with ``stream_options.include_usage`` a last chunk with the usage (and with
 ``continuous_usage_stats`` the usage so far on every chunk, as vLLM does).
+``stream_options.denoise_steps`` adds a named ``denoise_step`` event per denoise forward
+(``dllm.server.trace_format``); ``logprobs`` / ``top_logprobs`` are the committed tokens'
+log-probabilities (``dllm.trace``), in the OpenAI shapes.
 ``/v1/embeddings`` needs an engine started with ``task="embed"``."""
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from dllm.server.protocol import (
     validate,
 )
 from dllm.server.serving import RunningGroup, Serving, shutting_down
+from dllm.server.trace_format import chat_logprobs, completion_logprobs, step_event
+from dllm.trace import MAX_TOP_LOGPROBS
 
 Chunk = dict[str, Any]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -71,13 +76,14 @@ class OpenAIServing:
         req = body if isinstance(body, CompletionRequest) else validate(CompletionRequest, body)
         prompts = completion_prompts(req.prompt)
         gid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        group = await self._start(req, gid, prompts, req.max_tokens, "max_tokens", arrival)
+        group = await self._start(req, gid, prompts, req.max_tokens, "max_tokens", arrival,
+                                  req.logprobs)
         n = len(prompts) * (req.n or 1)
         echo = [self._echo_text(p) for p in prompts for _ in range(req.n or 1)] \
             if req.echo else None
         if req.stream:
             return self._stream(group, "text_completion", n, req.include_usage,
-                                req.continuous_usage, echo)
+                                req.continuous_usage, echo, req.denoise_steps)
         return self._full(await collect(group, n), gid, "text_completion", echo)
 
     # ---- /v1/chat/completions ------------------------------------------------------------
@@ -91,11 +97,13 @@ class OpenAIServing:
             else req.max_tokens
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         gid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self._start(req, gid, [messages], max_tokens, name, arrival)
+        group = await self._start(req, gid, [messages], max_tokens, name, arrival,
+                                  (req.top_logprobs or 0) if req.logprobs else None,
+                                  "top_logprobs")
         n = req.n or 1
         if req.stream:
             return self._stream(group, "chat.completion.chunk", n, req.include_usage,
-                                req.continuous_usage)
+                                req.continuous_usage, None, req.denoise_steps)
         return self._full(await collect(group, n), gid, "chat.completion")
 
     # ---- /v1/embeddings ------------------------------------------------------------------
@@ -157,9 +165,15 @@ class OpenAIServing:
                        .decode())
 
     async def _start(self, req: SamplingFields, gid: str, prompts: list, max_tokens: int | None,
-                     max_name: str, arrival: float) -> RunningGroup:
+                     max_name: str, arrival: float, logprobs: int | None = None,
+                     logprobs_name: str = "logprobs") -> RunningGroup:
+        """``logprobs``: the top alternatives asked for (None: no log-probabilities), from
+        the field ``logprobs_name``."""
         self.check_fields(req, gid)
         reject_unsupported(req)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"{logprobs_name} must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                              f"{logprobs}", logprobs_name)
         self.serving.check_model(req.model)
         if req.n is not None and req.n < 1:
             raise bad_request(f"n must be at least 1, got {req.n}", "n")
@@ -172,6 +186,7 @@ class OpenAIServing:
             "max_new_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "top_k": req.top_k, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
             "ignore_eos": req.ignore_eos, "seed": req.seed, "dllm": req.dllm,
+            "logprobs": logprobs, "denoise_steps": req.denoise_steps or None,
         }, max_name)
         each: list[SamplingParams] = [dataclasses.replace(params, seed=choice_seed(params.seed, j))
                                       for j in range(n)]
@@ -186,6 +201,16 @@ class OpenAIServing:
             return prompt
         return self.serving.llm.engine.tokenizer.decode(prompt)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.serving.decode(ids)
+
+    def _logprobs(self, lps: list | None, obj: str, offset: int = 0) -> Chunk | None:
+        if lps is None:
+            return None
+        if obj.startswith("chat"):
+            return chat_logprobs(lps, self._decode)
+        return completion_logprobs(lps, self._decode, offset)
+
     def _full(self, outs: list[RequestOutput], gid: str, obj: str,
               echo: list[str] | None = None) -> Chunk:
         choices = []
@@ -195,18 +220,21 @@ class OpenAIServing:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = (echo[i] if echo else "") + out.text
-            choice.update(logprobs=None, finish_reason=out.finish_reason)
+            choice.update(logprobs=self._logprobs(out.logprobs, obj, len(echo[i]) if echo
+                                                  else 0),
+                          finish_reason=out.finish_reason)
             choices.append(choice)
         return {"id": gid, "object": obj, "created": int(time.time()),
                 "model": self.serving.model_name, "choices": choices, "usage": usage(outs)}
 
     async def _stream(self, group: RunningGroup, obj: str, n: int, include_usage: bool,
-                      continuous_usage: bool = False, echo: list[str] | None = None
-                      ) -> AsyncIterator[Chunk]:
+                      continuous_usage: bool = False, echo: list[str] | None = None,
+                      denoise_steps: bool = False) -> AsyncIterator[Chunk]:
         created = int(time.time())
         chat = obj == "chat.completion.chunk"
         finals: list[RequestOutput | None] = [None] * n
         counts = [(0, 0)] * n  # (prompt, completion) tokens of each choice so far
+        offsets = [len(e) for e in echo] if echo else [0] * n  # text offsets (logprobs)
 
         def chunk(choices: list[Chunk], **extra: Any) -> Chunk:
             c = {"id": group.gid, "object": obj, "created": created,
@@ -231,12 +259,20 @@ class OpenAIServing:
                 if out is not None and out.finish_reason == "abort" and group.shut_down:
                     yield shutting_down().to_dict()
                     return
+                if denoise_steps:
+                    for ev in part.steps:
+                        yield step_event(ev, group.gid, i, self._decode)
+                if not (part.finished or part.delta_text or part.delta_token_ids):
+                    continue  # a chunk of step events only
                 choice: Chunk = {"index": i}
                 if chat:
                     choice["delta"] = {"content": part.delta_text} if part.delta_text else {}
                 else:
                     choice["text"] = part.delta_text
-                choice.update(logprobs=None, finish_reason=part.finish_reason)
+                choice.update(logprobs=self._logprobs(part.delta_logprobs, obj, offsets[i]),
+                              finish_reason=part.finish_reason)
+                if part.delta_logprobs is not None and not chat:
+                    offsets[i] += sum(len(t) for t in choice["logprobs"]["tokens"])
                 if continuous_usage:
                     counts[i] = (part.prompt_tokens, part.completion_tokens)
                     prompt, done = sum(c[0] for c in counts), sum(c[1] for c in counts)

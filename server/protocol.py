@@ -148,6 +148,9 @@ class StreamOptions(_Model):
     # vLLM's extension: with ``include_usage``, every chunk carries the usage so far (token
     # counts arrive with each committed block, whether or not it decodes to text yet).
     continuous_usage_stats: bool = False
+    # dllm's extension: one ``event: denoise_step`` per denoise forward (README, "Watch it
+    # denoise"); streams without it are unchanged.
+    denoise_steps: bool = False
 
 
 class _Sampling(_Model):
@@ -184,6 +187,11 @@ class SamplingFields(_Sampling):
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
+    def denoise_steps(self) -> bool:
+        """Step events asked for (they exist only in a stream)."""
+        return self.stream and bool(self.stream_options and self.stream_options.denoise_steps)
 
 
 class CompletionRequest(SamplingFields):
@@ -235,8 +243,10 @@ class GenerateRequest(_Model):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
+    stream_options: StreamOptions | None = None  # only ``denoise_steps`` is read here
     rid: str | None = None
     return_logprob: bool = False
+    top_logprobs_num: int | None = None
 
 
 class TokenizeRequest(_Model):
@@ -265,9 +275,10 @@ def _unsupported(req: _Model) -> tuple[str, str] | None:
     checks: list[tuple[str, bool, str]] = [
         ("best_of", get("best_of") not in (None, 1, get("n")),
          "best_of other than n is not supported"),
-        ("logprobs", get("logprobs") not in (None, False), "logprobs are not supported"),
-        ("top_logprobs", get("top_logprobs") is not None, "logprobs are not supported"),
-        ("return_logprob", bool(get("return_logprob")), "logprobs are not supported"),
+        ("top_logprobs", get("top_logprobs") is not None and get("logprobs") is not True,
+         "top_logprobs needs logprobs: true"),
+        ("top_logprobs_num", get("top_logprobs_num") is not None and not get("return_logprob"),
+         "top_logprobs_num needs return_logprob: true"),
         ("echo", bool(get("echo")) and get("logprobs") is not None,
          "echo with logprobs (the prompt's log probabilities) is not supported"),
         ("suffix", bool(get("suffix")), "suffix is not supported"),

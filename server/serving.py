@@ -212,6 +212,11 @@ class Serving:
             tok = self._local.tokenizer = copy.deepcopy(self.llm.engine.tokenizer)
         return tok
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of a few token ids (a traced request's tokens), with the calling
+        thread's own tokenizer."""
+        return self._tokenizer().decode(ids)
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, as the engine's request factory would make them (a pool
         thread: this is the one tokenization of the request)."""
@@ -364,10 +369,14 @@ class Serving:
                           ) -> AsyncIterator[StreamChunk]:
         m = self.metrics
         seen: StreamChunk | None = None
+        first = True
         try:
             async with aclosing(stream):
                 async for chunk in stream:
-                    if seen is None:
+                    # The first output (a chunk of step events alone is not: TTFT counts
+                    # tokens, whether or not the request asked for steps).
+                    if first and (chunk.delta_token_ids or chunk.finished):
+                        first = False
                         self.prompt_tokens_done += req.prompt_len
                         if m is not None:
                             m.on_first_chunk(time.monotonic() - arrival)

@@ -372,7 +372,9 @@ ERRORS = [
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 65}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2, "echo": True}, 400, "echo"),
     ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
     ("/v1/completions", [1, 2, 3], 400, None),
     ("/v1/completions", '"a string"', 400, None),
@@ -386,7 +388,9 @@ ERRORS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "logprobs": True}, 400, "logprobs"),
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "nope", "messages": [

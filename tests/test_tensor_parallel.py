@@ -121,6 +121,17 @@ def test_block_diffusion_every_algorithm_tp2(engines, algorithm):
         dllm={"algorithm": algorithm, **BLOCK_ALGORITHMS[algorithm]}))
 
 
+def test_traced_requests_are_refused_under_tensor_parallelism(engines):
+    """Logprobs and step events read whole-vocabulary logits, which no rank holds: a clear
+    error at the request, and the engine serves on."""
+    llm = engines("SDARForCausalLM", 2)
+    for params in (SamplingParams(logprobs=1), SamplingParams(denoise_steps=True)):
+        with pytest.raises(ValueError, match="not recorded under tensor parallelism"):
+            llm.engine.make_request(PROMPTS[0], params)
+    assert _tokens(llm, SamplingParams(max_new_tokens=4, ignore_eos=True)) == _tokens(
+        engines("SDARForCausalLM", 1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+
+
 def test_full_logits_never_cross_the_ranks(engines):
     """A sampled, top-k-filtered generation at tp 2: the post-steps' exchanges carry at most
     16 numbers per position, and no collective has a shard of the vocabulary (256 columns)

@@ -64,10 +64,15 @@ class Result:
 
 
 async def one(client: httpx.AsyncClient, model: str, prompt: str | list[int],
-              max_tokens: int) -> Result:
+              max_tokens: int, denoise_steps: bool = False,
+              logprobs: int | None = None) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if denoise_steps:  # the step events arrive as named events, skipped below
+        body["stream_options"]["denoise_steps"] = True
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     start = time.perf_counter()
     ttft, tokens, usage_seen = None, 0, {}
     try:
@@ -78,6 +83,8 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str | list[int],
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("object") == "denoise.step":
+                    continue
                 # The first token: a chunk with text, or (``continuous_usage_stats``, which
                 # dllm and vLLM send) one whose usage counts output tokens, text or not.
                 usage = chunk.get("usage") or {}
@@ -131,7 +138,8 @@ async def run(args: argparse.Namespace, base_url: str) -> dict:
         async def limited(p: str | list[int], delay: float) -> Result:
             await asyncio.sleep(delay)
             async with sem:
-                return await one(client, model, p, args.max_tokens)
+                return await one(client, model, p, args.max_tokens, args.denoise_steps,
+                                 args.logprobs)
 
         delays, t = [], 0.0
         for _ in prompts:
@@ -149,6 +157,7 @@ async def run(args: argparse.Namespace, base_url: str) -> dict:
     summary = {
         "model": model, "num_requests": len(results), "failed": len(results) - len(ok),
         "concurrency": args.concurrency, "request_rate": args.request_rate or "inf",
+        "denoise_steps": args.denoise_steps, "logprobs": args.logprobs,
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_tok_s": out_tokens / duration,
         **{f"ttft_{q}_ms": pct([r.ttft for r in ok], q) * 1e3 for q in (50, 90, 99)},
@@ -269,6 +278,10 @@ def main() -> int:
                     help="requests sent one by one before the timed ones")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--denoise-steps", action="store_true",
+                    help="every request asks for step events (stream_options.denoise_steps)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="every request asks for logprobs with this many alternatives")
     ap.add_argument("--serve", default=None,
                     help="start `dllm serve FLAGS` per variant instead of using --base-url")
     ap.add_argument("--serve-model", default=None,
@@ -283,9 +296,11 @@ def main() -> int:
     table = table_of(summaries)
     s = next(iter(summaries.values()))
     failed = sum(v["failed"] for v in summaries.values())
+    traced = (", step events on" if args.denoise_steps else "") + (
+        f", logprobs {args.logprobs}" if args.logprobs is not None else "")
     head = (f"{s['num_requests']} requests per variant ({failed} failed), concurrency "
             f"{s['concurrency']}, rate {s['request_rate']}, shared prefix "
-            f"{args.shared_prefix_tokens} tokens, warm-up {args.warmup}")
+            f"{args.shared_prefix_tokens} tokens, warm-up {args.warmup}{traced}")
     print(f"{head}\n{table}")
     when = stamp()
     write_report(args.out, "online", f"# Online benchmark {when}\n\n{head}\n\n{table}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,6 +63,10 @@ class DenoiseOutput:
     done: Tensor  # [bs] bool block resolved (no masks left and any edit phase finished)
     state: dict[str, Tensor]
     num_transferred: Tensor  # [bs] int64 mask -> token transfers this step
+    # [bs, B] float32 the algorithm's own score of each position's proposal (reported in
+    # step events, never read by the engine), or a function computing it on demand; None:
+    # the engine reports the proposal's probability
+    confidence: Tensor | Callable[[], Tensor] | None = None
 
 
 # Every per-request key any dllm component reads. A request may carry keys of other

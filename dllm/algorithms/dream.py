@@ -164,8 +164,9 @@ class DreamOrigin(UnmaskingAlgorithm):
         p = torch.where(last, 1.0, fraction)
         u = position_uniform(x.sampling.seed, x.step, x.positions, Stream.POSITION)
         transfer = masked & (u < p[:, None])
-        _, x0 = _propose(x)
-        out = finish(x, x0, transfer, masked)
+        probs, x0 = _propose(x)
+        out = finish(x, x0, transfer, masked,  # the score is computed only if reported
+                     confidence=lambda: probs.gather(-1, x0[..., None]).squeeze(-1))
         out.done = schedule_over(x)
         return out
 
@@ -195,7 +196,7 @@ class _DreamRanked(UnmaskingAlgorithm):
         )
         drawn = confidence / torch.where(sampled, alg_temp, 1.0)[:, None] + gumbel
         key = torch.where(sampled[:, None], drawn, confidence)
-        out = finish(x, x0, select_top(key, masked, count), masked)
+        out = finish(x, x0, select_top(key, masked, count), masked, confidence=confidence)
         out.done = schedule_over(x)
         return out
 
@@ -267,5 +268,5 @@ class DreamConfidenceThreshold(UnmaskingAlgorithm):
         extra = x.state["extra_steps"] + extend.to(torch.int64)
         out = finish(x, x0, chosen & ~rejected, masked,
                      done=x.step + 1 >= x.config["steps"] + extra,
-                     state={"carry": deferred, "extra_steps": extra})
+                     state={"carry": deferred, "extra_steps": extra}, confidence=confidence)
         return out

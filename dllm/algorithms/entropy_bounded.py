@@ -42,4 +42,4 @@ class EntropyBounded(UnmaskingAlgorithm):
         before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
         take_sorted = before <= x.config["eb_gamma"][:, None]
         take = take_sorted.gather(-1, rank) & masked
-        return bounded(finish(x, sample.x0, take, masked), x)
+        return bounded(finish(x, sample.x0, take, masked, confidence=sample.confidence), x)

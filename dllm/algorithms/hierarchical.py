@@ -41,4 +41,5 @@ class Hierarchical(UnmaskingAlgorithm):
         sample = sample_tokens(x.logits, x.sampling, x.positions, x.step)
         above = active & (sample.confidence > x.config["threshold"][:, None])
         best = select_top(log_confidence(sample), active, torch.ones_like(x.step))
-        return bounded(finish(x, sample.x0, above | best, masked), x)
+        return bounded(finish(x, sample.x0, above | best, masked,
+                              confidence=sample.confidence), x)

@@ -63,4 +63,5 @@ class JointThreshold(UnmaskingAlgorithm):
             filled_all & (budget == 0),
             ~edit.any(dim=-1) | (post_steps >= budget),
         )
-        return finish(x, sample.x0, fill | edit, masked, done, {"post_edit_steps": post_steps})
+        return finish(x, sample.x0, fill | edit, masked, done, {"post_edit_steps": post_steps},
+                      confidence=conf)

@@ -80,12 +80,12 @@ class LowConfidenceStatic(UnmaskingAlgorithm):
             (x.config["remasking"] == _RANDOM)[:, None], random, log_confidence(sample)
         )
         transfer = select_top(score, masked, step_quota(x, masked))
-        return _finish_scheduled(x, sample.x0, transfer, masked)
+        return _finish_scheduled(x, sample.x0, transfer, masked, sample.confidence)
 
 
-def _finish_scheduled(x: DenoiseInput, x0: Tensor, transfer: Tensor,
-                      masked: Tensor) -> DenoiseOutput:
-    out = finish(x, x0, transfer, masked)
+def _finish_scheduled(x: DenoiseInput, x0: Tensor, transfer: Tensor, masked: Tensor,
+                      confidence: Tensor) -> DenoiseOutput:
+    out = finish(x, x0, transfer, masked, confidence=confidence)
     out.done = schedule_done(x, (out.tokens == x.mask_id) & x.editable)
     return out
 
@@ -118,7 +118,7 @@ class LowConfidenceDynamic(UnmaskingAlgorithm):
         high = masked & (sample.confidence > x.config["threshold"][:, None])
         enough = (high.sum(dim=-1) >= quota)[:, None]
         transfer = torch.where(enough, high, select_top(log_confidence(sample), masked, quota))
-        return _finish_scheduled(x, sample.x0, transfer, masked)
+        return _finish_scheduled(x, sample.x0, transfer, masked, sample.confidence)
 
 
 class Sequential(UnmaskingAlgorithm):
@@ -140,4 +140,4 @@ class Sequential(UnmaskingAlgorithm):
         order = torch.arange(x.tokens.shape[-1], device=x.tokens.device, dtype=torch.float32)
         rank = rank_positions(order.expand_as(x.tokens), masked, descending=False)
         transfer = (rank < step_quota(x, masked)[:, None]) & masked
-        return _finish_scheduled(x, sample.x0, transfer, masked)
+        return _finish_scheduled(x, sample.x0, transfer, masked, sample.confidence)

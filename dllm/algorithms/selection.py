@@ -3,6 +3,8 @@ fixed tie rule, LLaDA's per-step quota, and assembling the output."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -55,8 +57,10 @@ def finish(
     masked: Tensor,
     done: Tensor | None = None,
     state: dict[str, Tensor] | None = None,
+    confidence: Tensor | Callable[[], Tensor] | None = None,
 ) -> DenoiseOutput:
-    """Write ``x0`` at ``transfer`` positions. ``done`` defaults to "no mask left"."""
+    """Write ``x0`` at ``transfer`` positions. ``done`` defaults to "no mask left".
+    ``confidence``: the algorithm's score of each proposal (``DenoiseOutput.confidence``)."""
     tokens = torch.where(transfer, x0, x.tokens)
     filled = transfer & masked
     if done is None:
@@ -66,4 +70,5 @@ def finish(
         done=done,
         state={} if state is None else state,
         num_transferred=filled.sum(dim=-1),
+        confidence=confidence,
     )

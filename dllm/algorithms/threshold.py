@@ -48,7 +48,8 @@ class Threshold(UnmaskingAlgorithm):
         sample = sample_tokens(x.logits, x.sampling, x.positions, x.step)
         above = masked & (sample.confidence >= x.config["threshold"][:, None])
         best = select_top(log_confidence(sample), masked, torch.ones_like(x.step))
-        return bounded(finish(x, sample.x0, above | best, masked), x)
+        return bounded(finish(x, sample.x0, above | best, masked,
+                              confidence=sample.confidence), x)
 
 
 class Factor(UnmaskingAlgorithm):
@@ -83,4 +84,5 @@ class Factor(UnmaskingAlgorithm):
         passes = ((conf_sorted >= bound) | (n == 1)) & masked_sorted
         count = passes.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
         count = torch.where((count == num_masked - 1) & (num_masked >= 2), num_masked, count)
-        return bounded(finish(x, sample.x0, (rank < count[:, None]) & masked, masked), x)
+        return bounded(finish(x, sample.x0, (rank < count[:, None]) & masked, masked,
+                              confidence=sample.confidence), x)
