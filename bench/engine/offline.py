@@ -164,7 +164,8 @@ def warm_engine(path: str, bs: int, graph: bool, backend: str, prompt_len: int, 
     llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda",
               attention_backend=backend, disable_cuda_graph=not graph,
               max_running_requests=bs, cuda_graph_max_bs=bs, context_length=4096,
-              algorithm="low_confidence_static", page_size=16, kv_cache_memory_gb=20)
+              algorithm="low_confidence_static", page_size=16, kv_cache_memory_gb=20,
+              enable_prefix_cache=False)  # its hybrid state snapshots would take slots
     e = llm.engine
     diffusion = e.mask_token_id is not None
     b = e.block_size
