@@ -84,8 +84,10 @@ def test_connection_limit_refuses_fast(server):
 
 def test_header_floods(server):
     f = asyncio.run(h.header_floods(server, count=20_000, one_size=2_000_000))
-    assert f["many_headers"]["status"] == 400, f
-    assert f["one_big_header"]["status"] in (400, None), f  # None: reset while sending
+    # None: the server answered 400 and closed while the client was still sending; the
+    # kernel then resets the connection, and the client may never read the answer.
+    assert f["many_headers"]["status"] in (400, None), f
+    assert f["one_big_header"]["status"] in (400, None), f
     assert f["many_headers"]["extra_rss_mb"] < 50 and f["one_big_header"]["extra_rss_mb"] < 50
 
 
