@@ -388,7 +388,7 @@ MUTATIONS: dict[str, dict[str, list]] = {
     "/v1/completions": {
         "prompt": [5, {}, [], "", [True, 2], [[1, -1]], [1] * 3000, [["a"]], [{}], SURROGATE,
                    None, [BIG_INT], ["x"] * 100, [2**63]],
-        "max_tokens": _INT + [0, 100000], "n": [2, "x", Raw("NaN"), BIG_INT],
+        "max_tokens": _INT + [0, 100000], "n": [0, 65, "x", Raw("NaN"), BIG_INT],
         "stream": _BOOL, "model": [5, "no-such-model", SURROGATE], **_SHARED},
     "/v1/chat/completions": {
         "messages": [[], "hi", [{}], [{"role": "user"}], [{"role": 5, "content": "x"}],
