@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -33,6 +34,8 @@ from tests.reliability import harness as h  # noqa: E402
 # more connections than that finds out what the server does at its file limit.
 MAX_FDS = 640
 HOLD = 600
+PARTS = ("load", "fuzz", "big_prompts", "slow_sockets", "header_floods", "abort_races",
+         "sigterm", "sigint_idle", "connection_limit")
 
 
 def _new_server(python: str | None) -> bool:
@@ -60,26 +63,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         figures[name] = value
         print(f"{name} ({time.perf_counter() - t:.0f} s): {json.dumps(value)}", flush=True)
 
+    parts = set(args.parts)
     term_flags = ("--shutdown-timeout", str(args.shutdown_timeout)) if new else ()
-    with h.serving(logs, ("main", ()), ("term", term_flags), python=args.python) as (s, term):
-        step("load", h.load_with_disconnects(s, n=100 if quick else 1000,
-                                             concurrency=64, drop=0.2, seed=0))
-        step("fuzz", h.fuzz(s, n=200 if quick else 600, seed=0))
-        step("big_prompts", h.big_prompts(s, chars=9_500_000, parallel=args.parallel,
-                                          invalid_items=1_000_000))
-        step("slow_sockets", h.slow_sockets(s, silent=8, slow=4, header_timeout=10.0,
-                                            body_timeout=30.0))
-        step("header_floods", h.header_floods(s, count=100_000, one_size=100 * 2**20))
-        figures["header_floods"]["httptools_installed"] = subprocess.run(
-            [args.python or sys.executable, "-c", "import httptools"],
-            capture_output=True).returncode == 0  # in the server's environment
-        step("abort_races", h.abort_races(s, trials=20 if quick else 100, seed=0,
-                                          list_trials=5 if quick else 20))
-        step("sigterm", h.sigterm_under_load(term, long_streams=6, long_plain=4, short=6,
-                                             shutdown_timeout=args.shutdown_timeout))
-        step("sigint_idle", lambda: h.sigint_idle(s))
-    with h.serving(logs, ("fds", ()), python=args.python, max_fds=MAX_FDS) as (fds,):
-        step("connection_limit", h.connection_limit(fds, limit=HOLD, extra=20))
+    specs = [("main", ())] + ([("term", term_flags)] if "sigterm" in parts else [])
+    with h.serving(logs, *specs, python=args.python) as servers:
+        s = servers[0]
+        if "load" in parts:
+            step("load", h.load_with_disconnects(s, n=100 if quick else 1000,
+                                                 concurrency=64, drop=0.2, seed=0))
+        if "fuzz" in parts:
+            step("fuzz", h.fuzz(s, n=200 if quick else 600, seed=0))
+        if "big_prompts" in parts:
+            step("big_prompts", h.big_prompts(s, chars=9_500_000, parallel=args.parallel,
+                                              invalid_items=1_000_000))
+        if "slow_sockets" in parts:
+            step("slow_sockets", h.slow_sockets(s, silent=8, slow=4, header_timeout=10.0,
+                                                body_timeout=30.0))
+        if "header_floods" in parts:
+            step("header_floods", h.header_floods(s, count=100_000, one_size=100 * 2**20))
+            figures["header_floods"]["httptools_installed"] = subprocess.run(
+                [args.python or sys.executable, "-c", "import httptools"],
+                capture_output=True).returncode == 0  # in the server's environment
+        if "abort_races" in parts:
+            step("abort_races", h.abort_races(s, trials=20 if quick else 100, seed=0,
+                                              list_trials=5 if quick else 20))
+        if "sigterm" in parts:
+            step("sigterm", h.sigterm_under_load(servers[1], long_streams=6, long_plain=4,
+                                                 short=6,
+                                                 shutdown_timeout=args.shutdown_timeout))
+        if "sigint_idle" in parts:
+            step("sigint_idle", lambda: h.sigint_idle(s))
+    if "connection_limit" in parts:
+        with h.serving(logs, ("fds", ()), python=args.python, max_fds=MAX_FDS) as (fds,):
+            step("connection_limit", h.connection_limit(fds, limit=HOLD, extra=20))
     return figures
 
 
@@ -92,6 +108,9 @@ def rows(f: dict[str, Any]) -> list[tuple[str, str]]:
          f"{g('load', 'concurrency')} / {g('load', 'disconnected')}"),
         ("load: errors among the others", g("load", "errors")),
         ("load: p50 / p99 s", f"{g('load', 'p50_s')} / {g('load', 'p99_s')}"),
+        ("load: wall s / requests per s / output tokens per s",
+         f"{g('load', 'wall_s')} / {g('load', 'requests_per_s')} / "
+         f"{g('load', 'output_tokens_per_s')}"),
         ("load: leaked KV pages / request slots",
          f"{g('load', 'leaked_kv_pages')} / {g('load', 'leaked_request_slots')}"),
         ("load: RSS before / after MB",
@@ -115,6 +134,7 @@ def rows(f: dict[str, Any]) -> list[tuple[str, str]]:
                 (f"{label}: longest stream gap s / /health max ms",
                  f"{c.get('max_stream_gap_s')} / {c.get('health_max_ms')}")]
     out += [
+        ("slow sockets: /health max ms", g("slow_sockets", "health_max_ms")),
         ("silent sockets: closed after s (max)", g("slow_sockets", "silent_closed_max_s")),
         ("slow headers: closed after s (max) / 408s",
          f"{g('slow_sockets', 'slow_headers_closed_max_s')} / "
@@ -135,11 +155,13 @@ def rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         ("one 100 MB header: status / extra RSS MB",
          f"{g('header_floods', 'one_big_header', 'status')} / "
          f"{g('header_floods', 'one_big_header', 'extra_rss_mb')}"),
+        ("header floods: /health max ms", g("header_floods", "health_max_ms")),
         ("httptools installed (the server's environment)",
          g("header_floods", "httptools_installed")),
         ("abort races: trials + list trials / mismatches",
          f"{g('abort_races', 'trials')} + {g('abort_races', 'list_trials')} / "
          f"{g('abort_races', 'mismatches')}"),
+        ("abort races: /health max ms", g("abort_races", "health_max_ms")),
         ("SIGTERM under load: outcomes", json.dumps(g("sigterm", "outcomes"))),
         ("SIGTERM: bad endings / exit code / exit s / tracebacks",
          f"{g('sigterm', 'bad')} / {g('sigterm', 'exit_code')} / {g('sigterm', 'exit_s')} / "
@@ -147,6 +169,9 @@ def rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         ("SIGINT idle: exit code / tracebacks",
          f"{g('sigint_idle', 'exit_code')} / {g('sigint_idle', 'tracebacks')}"),
     ]
+    la = g("load_average") or {}
+    out.append(("machine load average (1, 5, 15 min) at start / end",
+                f"{la.get('start')} / {la.get('end')}"))
     return [(k, str(v)) for k, v in out]
 
 
@@ -178,6 +203,8 @@ def main() -> int:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="the SIGTERM scenario's grace (the old server's is fixed at 5 s)")
     p.add_argument("--quick", action="store_true", help="smaller counts (a try-out)")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, metavar="PART",
+                   help=f"the scenarios to run (default: all of {', '.join(PARTS)})")
     p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                    help="run nothing: print and write the table of these runs' .json files, "
                         "one column each")
@@ -194,8 +221,12 @@ def main() -> int:
         print(f"wrote {write_report(args.out, 'stress', header + md, {'runs': args.combine}, f'{stamp()}-combined')}")
         return 0
     t = time.perf_counter()
+    load_start = os.getloadavg()
     figures = run(args)
-    figures["big_prompts"]["parallel_n"] = args.parallel
+    figures["load_average"] = {"start": [round(x, 2) for x in load_start],
+                               "end": [round(x, 2) for x in os.getloadavg()]}
+    if "big_prompts" in figures:
+        figures["big_prompts"]["parallel_n"] = args.parallel
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
     payload = {"label": args.label, "commit": commit, "python": args.python or sys.executable,

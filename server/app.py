@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dllm.async_llm import AsyncLLM
 from dllm.server.args import ServerConfig
+from dllm.server.body_worker import BodyWorkers
 from dllm.server.limits import check_body
 from dllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from dllm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware
@@ -71,6 +72,7 @@ class ServerState:
         self.serving: Serving | None = None
         self.openai: OpenAIServing | None = None
         self.native: NativeServing | None = None
+        self.bodies: BodyWorkers | None = None  # parse large bodies (--body-workers)
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[], None] | None = None
         self.closing = False
@@ -144,6 +146,8 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if config.limits.body_workers:
+            state.bodies = await asyncio.to_thread(BodyWorkers, config.limits.body_workers)
         loading = asyncio.create_task(state.load())
         stats = asyncio.create_task(state.log_stats())
         try:
@@ -151,6 +155,8 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
         finally:
             loading.cancel()
             stats.cancel()
+            if state.bodies is not None:
+                await asyncio.to_thread(state.bodies.close)
             if state.llm is not None:
                 await asyncio.to_thread(state.llm.shutdown)
             if state.serving is not None:
@@ -319,19 +325,26 @@ def _request_id(request: Request, serving: Serving) -> str | None:
     return rid
 
 
-def _parse(raw: bytes, serving: Serving, route: str, model: type | None) -> Any:
-    body = parse_json_object(raw)
-    check_body(route, body, serving.limits, serving.context_length)
+def _parse(raw: bytes, serving: Serving, route: str, model: type | None,
+           bodies: BodyWorkers | None = None) -> Any:
+    bounds = (serving.limits, serving.context_length, serving.max_prompt_chars)
+    if bodies is not None:
+        body = bodies.parse(raw, route, *bounds)
+    else:
+        body = parse_json_object(raw)
+        check_body(route, body, *bounds)
     return body if model is None else validate(model, body)
 
 
 async def _body(request: Request, serving: Serving, route: str, model: type) -> Any:
-    """The parsed body: a dict, or for a large body the validated model, both made in a
-    worker thread so that the event loop (``/health``, every stream) does not wait."""
+    """The parsed body: a dict, or for a large body the validated model, made in a thread
+    (the JSON parsed in a worker process, ``--body-workers``) so that the event loop
+    (``/health``, every stream) does not wait."""
     raw = await request.body()
     if len(raw) <= LARGE_BODY_BYTES:
         return _parse(raw, serving, route, None)
-    return await asyncio.to_thread(_parse, raw, serving, route, model)
+    bodies: BodyWorkers | None = request.app.state.dllm.bodies
+    return await asyncio.to_thread(_parse, raw, serving, route, model, bodies)
 
 
 async def _answer(request: Request, work: Awaitable[Any]) -> Response:

@@ -43,11 +43,15 @@ class Limits:
                 "(0: four times the KV cache's tokens)"})
     tokenizer_workers: int = field(default=2, metadata={
         "help": "threads that tokenize prompts, off the engine lock"})
+    body_workers: int = field(default=2, metadata={
+        "help": "processes that parse request bodies over 256 KiB, so that the server's "
+                "interpreter lock (its event loop: /health, every stream) is not held while "
+                "they are (0: parse them in a thread of the server)"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            low = 0 if f.name == "max_queued_tokens" else 1
+            low = 0 if f.name in ("max_queued_tokens", "body_workers") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{f.name} must be an integer >= {low}, got {value!r}")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from typing import Any
 
@@ -112,6 +113,16 @@ def protocol_class(limit_concurrency: int, header_timeout: float, body_timeout: 
                 self._arm(header_timeout)  # the next request's headers
                 self._track()
 
+        def timeout_keep_alive_handler(self) -> None:
+            """uvicorn closes an idle keep-alive connection when its timer fires; a request
+            that arrived just before, not read yet because the event loop was busy, would
+            then be cut off (the client sees the connection drop). Such a connection stays
+            open and its request is served."""
+            if _bytes_waiting(self.transport):
+                self.timeout_keep_alive_task = None
+                return
+            super().timeout_keep_alive_handler()
+
         def send_400_response(self, msg: str) -> None:
             self.transport.write(INVALID)
             self.transport.close()
@@ -149,3 +160,15 @@ def protocol_class(limit_concurrency: int, header_timeout: float, body_timeout: 
             self.transport.close()
 
     return GuardedH11Protocol
+
+
+def _bytes_waiting(transport: Any) -> bool:
+    """Whether the connection's socket holds received bytes the event loop has not read."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        with socket.fromfd(sock.fileno(), sock.family, sock.type) as peek:
+            return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing there (EAGAIN), or the connection is gone
+        return False

@@ -11,6 +11,7 @@ at once."""
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import resource
 import signal
@@ -88,6 +89,16 @@ def _raise_fd_limit(connections: int) -> int:
     return connections
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive now (the model's modules, torch, transformers, the app: some
+    350,000 of them) out of the garbage collector's reach. They live as long as the server,
+    and a full collection walks them all while holding the interpreter lock: under load one
+    took 0.3 to 1 s, and the event loop (``/health``, every stream) stood still meanwhile.
+    Collections then walk only what the requests allocate."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_server(config: ServerConfig) -> int:
     """Load the model, then serve until interrupted. A model that does not load raises here,
     before any port is bound."""
@@ -106,6 +117,7 @@ def run_server(config: ServerConfig) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = build_app(config, llm)
     state: ServerState = app.state.dllm
+    freeze_startup_objects()
     server = DllmServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
         http=protocol_class(connections, config.header_timeout, config.body_timeout),

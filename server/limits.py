@@ -3,14 +3,19 @@ request models validate it: a count or a length over a limit is one 400 naming t
 pydantic never walks a million-item list (its errors alone took seconds to build).
 
 What is checked here is only what the size of a list or a string gives away; types and
-values are the request models' and ``SamplingParams``' job."""
+values are the request models' and ``SamplingParams``' job. A prompt text longer than any
+text of the context's length is refused here too, so that a large body's prompt need not
+leave the process that parsed it (``dllm.server.body_worker``); that module's workers import
+this one, hence no import of the engine's configuration here."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dllm.server.args import Limits
 from dllm.server.protocol import bad_request
+
+if TYPE_CHECKING:
+    from dllm.server.args import Limits
 
 Obj = dict[str, Any]
 # Prompt-carrying fields of each route, and where the sampling fields sit.
@@ -18,15 +23,24 @@ PROMPT_FIELDS = {"/v1/completions": ("prompt",), "/v1/embeddings": ("input",),
                  "/generate": ("text", "input_ids"), "/v1/chat/completions": ()}
 
 
-def check_body(route: str, body: Obj, limits: Limits, context_length: int) -> None:
-    """400 for the first count or length in ``body`` over a limit."""
+def check_body(route: str, body: Obj, limits: Limits, context_length: int,
+               max_prompt_chars: int | None = None) -> None:
+    """400 for the first count or length in ``body`` over a limit; a prompt text of more than
+    ``max_prompt_chars`` characters (``Serving.max_prompt_chars``: no text that long fits the
+    context) is one too."""
     for name in PROMPT_FIELDS.get(route, ()):
         _check_prompts(name, body.get(name), limits, context_length)
+        if max_prompt_chars is not None:
+            _check_prompt_chars(name, body.get(name), max_prompt_chars, context_length)
     if route == "/v1/chat/completions":
         messages = body.get("messages")
         if isinstance(messages, list) and len(messages) > context_length:
             raise bad_request(f"messages: {len(messages)} messages cannot fit in the context "
                               f"length of {context_length} tokens", "messages")
+        if isinstance(messages, list) and max_prompt_chars is not None:
+            n = sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict))
+            if n > max_prompt_chars:
+                raise _too_many_chars("messages", n, context_length, "messages")
     sampling = body.get("sampling_params") if route == "/generate" else body
     if isinstance(sampling, dict):
         _check_stops(sampling, limits)
@@ -50,6 +64,29 @@ def _check_prompts(name: str, value: Any, limits: Limits, context_length: int) -
                 raise _too_long(f"{name}.{i}", len(item), context_length, name)
     elif len(value) > context_length:  # one prompt of token ids
         raise _too_long(name, len(value), context_length, name)
+
+
+def _check_prompt_chars(name: str, value: Any, max_chars: int, context_length: int) -> None:
+    texts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    for i, text in enumerate(texts):
+        if isinstance(text, str) and len(text) > max_chars:
+            where = name if isinstance(value, str) else f"{name}.{i}"
+            raise _too_many_chars(where, len(text), context_length, name)
+
+
+def _content_chars(content: Any) -> int:
+    """The characters of a chat message's content (a string, or text parts)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content
+                   if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def _too_many_chars(where: str, n: int, context_length: int, param: str):
+    return bad_request(f"{where}: a prompt of {n} characters exceeds the context length of "
+                       f"{context_length} tokens", param)
 
 
 def _too_long(where: str, n: int, context_length: int, param: str):

@@ -169,35 +169,56 @@ def is_openai_error(status: int, raw: bytes) -> bool:
 
 
 # ---- /health while a scenario runs ------------------------------------------------------------
+# The probe runs in a process of its own: its latencies are the server's, not the time the
+# scenario's own event loop (64 streams of the load, say) takes to notice an answer.
+_PROBE = r"""
+import http.client, json, sys, threading, time
+host, port, every = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+latencies, failures, conn = [], 0, None
+while not stop.is_set():
+    t = time.perf_counter()
+    try:
+        conn = conn or http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            failures += 1
+    except (OSError, http.client.HTTPException):
+        failures, conn = failures + 1, None
+    latencies.append((time.perf_counter() - t) * 1000)
+    if len(latencies) == 1:
+        print("ready", flush=True)
+    stop.wait(every)
+print(json.dumps([latencies, failures]), flush=True)
+"""
+
+
 class HealthProbe:
-    """GET /health every ``every`` seconds on its own connection; latencies in ms."""
+    """GET /health every ``every`` seconds on its own connection, from a process of its own
+    (started before the scenario, stopped after it); latencies in ms."""
 
     def __init__(self, url: str, every: float = 0.05):
         self.url, self.every = url, every
         self.latencies: list[float] = []
         self.failures = 0
-        self._task: asyncio.Task | None = None
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as c:
-            while True:
-                t = time.perf_counter()
-                try:
-                    r = await c.get("/health")
-                    if r.status_code != 200:
-                        self.failures += 1
-                except httpx.HTTPError:
-                    self.failures += 1
-                self.latencies.append((time.perf_counter() - t) * 1000)
-                await asyncio.sleep(self.every)
+        self._proc: subprocess.Popen | None = None
 
     async def __aenter__(self) -> HealthProbe:
-        self._task = asyncio.create_task(self._run())
+        host, port = self.url.rsplit("//", 1)[1].rsplit(":", 1)
+        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, host, port, str(self.every)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        first = await asyncio.to_thread(self._proc.stdout.readline)  # one answer: it runs
+        if first.strip() != "ready":
+            self._proc.kill()
+            raise RuntimeError(f"the /health probe did not start: {first!r}")
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        out, _ = await asyncio.to_thread(self._proc.communicate, "", 60)
+        self.latencies, self.failures = json.loads(out.strip().splitlines()[-1])
 
     def figures(self) -> dict[str, float]:
         return {"health_p99_ms": round(percentile(self.latencies, 99), 1),
@@ -290,16 +311,21 @@ async def load_with_disconnects(server: Server, n: int, concurrency: int, drop: 
         async with sem:
             await _one_load(c, random.Random(seed * 100003 + i), i, drops[i], res)
 
+    tokens0 = (await asyncio.to_thread(metrics, server.url)).get(
+        "dllm:generation_tokens_total", 0.0)
     t = time.perf_counter()
     async with HealthProbe(server.url) as probe:
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
             await asyncio.wait_for(asyncio.gather(*(guarded(c, i) for i in range(n))), timeout)
     wall = time.perf_counter() - t
     m = await asyncio.to_thread(wait_idle, server.url)
+    tokens = m.get("dllm:generation_tokens_total", 0.0) - tokens0
     return {"requests": n, "concurrency": concurrency, "disconnected": res.disconnected,
             "ok": res.ok, "errors": len(res.errors), "error_samples": res.errors[:3],
             "p50_s": round(percentile(res.latencies, 50), 3),
             "p99_s": round(percentile(res.latencies, 99), 3), "wall_s": round(wall, 1),
+            "requests_per_s": round(res.ok / wall, 2),
+            "output_tokens_per_s": round(tokens / wall, 1),
             "leaked_kv_pages": m["dllm:kv_cache_used_pages"],
             "leaked_request_slots": m["dllm:num_requests_running"]
             + m["dllm:num_requests_waiting"],
@@ -362,7 +388,7 @@ MUTATIONS: dict[str, dict[str, list]] = {
     "/v1/completions": {
         "prompt": [5, {}, [], "", [True, 2], [[1, -1]], [1] * 3000, [["a"]], [{}], SURROGATE,
                    None, [BIG_INT], ["x"] * 100, [2**63]],
-        "max_tokens": _INT + [0, 100000], "n": [2, "x", Raw("NaN"), BIG_INT],
+        "max_tokens": _INT + [0, 100000], "n": [0, 65, "x", Raw("NaN"), BIG_INT],
         "stream": _BOOL, "model": [5, "no-such-model", SURROGATE], **_SHARED},
     "/v1/chat/completions": {
         "messages": [[], "hi", [{}], [{"role": "user"}], [{"role": 5, "content": "x"}],
@@ -455,6 +481,9 @@ async def _stream_gaps(url: str, stop: asyncio.Event) -> list[float]:
     times: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
         async with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"the stream beside the scenario got {r.status_code}: "
+                                   f"{(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     times.append(time.perf_counter())
@@ -499,7 +528,8 @@ async def big_prompts(server: Server, chars: int = 9_500_000, parallel: int = 8,
                                               for r in answers),
                          "seconds": round(elapsed, 2),
                          "extra_rss_mb": round(peak - rss0, 1),
-                         "max_stream_gap_s": round(gap, 3), **probe.figures()}
+                         "max_stream_gap_s": round(gap, 3), "stream_chunks": len(window),
+                         **probe.figures()}
     return out
 
 
@@ -647,10 +677,11 @@ async def header_floods(server: Server, count: int, one_size: int) -> dict[str, 
                      "extra_rss_mb": round(server.rss_mb() - rss0, 1)}
 
     line = b"GET /health HTTP/1.1\r\nHost: x\r\n"
-    await send(line + b"".join(b"X-H%d: v\r\n" % i for i in range(count)), "many_headers")
-    await send(line + b"X-Big: " + b"a" * one_size + b"\r\n", "one_big_header")
+    async with HealthProbe(server.url) as probe:
+        await send(line + b"".join(b"X-H%d: v\r\n" % i for i in range(count)), "many_headers")
+        await send(line + b"X-Big: " + b"a" * one_size + b"\r\n", "one_big_header")
     out["headers"], out["big_header_bytes"] = count, one_size
-    return out
+    return {**out, **probe.figures()}
 
 
 # ---- abort races ------------------------------------------------------------------------------
@@ -679,14 +710,15 @@ async def abort_races(server: Server, trials: int, seed: int = 0, list_trials: i
             if ab["aborted"] != ended_by_abort:
                 mismatches.append(f"{rid}: aborted={ab['aborted']} reasons={reasons}")
 
-        for i in range(trials):
-            await asyncio.wait_for(one(i, False), 120)
-        for i in range(list_trials):
-            await asyncio.wait_for(one(trials + i, True), 120)
+        async with HealthProbe(server.url) as probe:
+            for i in range(trials):
+                await asyncio.wait_for(one(i, False), 120)
+            for i in range(list_trials):
+                await asyncio.wait_for(one(trials + i, True), 120)
     m = await asyncio.to_thread(wait_idle, server.url)
     return {"trials": trials, "list_trials": list_trials, "mismatches": len(mismatches),
             "mismatch_samples": mismatches[:3], **counts,
-            "leaked_kv_pages": m["dllm:kv_cache_used_pages"]}
+            "leaked_kv_pages": m["dllm:kv_cache_used_pages"], **probe.figures()}
 
 
 # ---- SIGTERM under load -----------------------------------------------------------------------

@@ -60,6 +60,7 @@ def test_big_prompt_rejected_fast_and_small(server):
         assert f[case]["statuses"] == [400] and f[case]["openai_shaped"], f[case]
         assert f[case]["seconds"] < 10, f[case]
         assert f[case]["max_stream_gap_s"] < 2.5, f[case]
+        assert f[case]["stream_chunks"] >= 2, f[case]  # the stream ran meanwhile
     assert f["one"]["extra_rss_mb"] < 100, f["one"]
 
 
@@ -83,8 +84,10 @@ def test_connection_limit_refuses_fast(server):
 
 def test_header_floods(server):
     f = asyncio.run(h.header_floods(server, count=20_000, one_size=2_000_000))
-    assert f["many_headers"]["status"] == 400, f
-    assert f["one_big_header"]["status"] in (400, None), f  # None: reset while sending
+    # None: the server answered 400 and closed while the client was still sending; the
+    # kernel then resets the connection, and the client may never read the answer.
+    assert f["many_headers"]["status"] in (400, None), f
+    assert f["one_big_header"]["status"] in (400, None), f
     assert f["many_headers"]["extra_rss_mb"] < 50 and f["one_big_header"]["extra_rss_mb"] < 50
 
 
