@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from dllm.cli_args import json_object, take_positional_model
+from dllm.watch import add_watch_flags
 
 BUILTIN_HISTORY = 1  # earlier exchanges the built-in model is shown (accuracy drops with more)
 BUILTIN_SCOPE = ("a 6.9M-parameter model that knows six kinds of question: adding and "
@@ -35,14 +36,7 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history", type=int, default=None,
                    help="earlier exchanges the model sees (default: all; "
                         f"{BUILTIN_HISTORY} for the built-in model)")
-    p.add_argument("--watch", action="store_true",
-                   help="show each answer as it denoises: the block redrawn after every "
-                        "denoise step (masked positions as ░, tokens coloured by the step "
-                        "that committed them), then forwards, tokens per forward and time; "
-                        "one plain line per step when stdout is not a terminal")
-    p.add_argument("--watch-delay", type=float, default=None, metavar="SECONDS",
-                   help="with --watch: pause after each drawn step (default 0.08 on a "
-                        "terminal, 0 otherwise)")
+    add_watch_flags(p, "show each answer as it denoises")
     p.add_argument("--stats", action="store_true",
                    help="after each answer, print its statistics on stderr: tokens, forwards, "
                         "tokens per forward, seconds, tokens per second")

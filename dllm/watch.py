@@ -136,6 +136,18 @@ class Watcher:
         self._lines = max(1, -(-visible // width))
 
 
+def add_watch_flags(p: Any, what: str) -> None:
+    """``--watch`` and ``--watch-delay`` on an argparse parser; ``what``: what is shown."""
+    p.add_argument("--watch", action="store_true",
+                   help=f"{what}: the block redrawn after every denoise step (masked positions "
+                        "as ░, tokens coloured by the step that committed them), then "
+                        "forwards, tokens per forward and time; one plain line per step when "
+                        "stdout is not a terminal")
+    p.add_argument("--watch-delay", type=float, default=None, metavar="SECONDS",
+                   help="with --watch: pause after each drawn step (default 0.08 on a "
+                        "terminal, 0 otherwise)")
+
+
 def stats_line(out: Any, seconds: float) -> str:
     n = out.completion_tokens
     forwards = out.num_denoise_forwards or out.num_forward_passes

@@ -36,6 +36,7 @@ from dllm.cli_args import (
     json_object,
     take_positional_model,
 )
+from dllm.watch import add_watch_flags
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
@@ -61,14 +62,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="JSONL output in the OpenAI batch output shape (appended; "
                                     "custom_ids already there are skipped)")
     p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
-    p.add_argument("--watch", action="store_true",
-                   help="one prompt: show it denoise (the block redrawn after every denoise "
-                        "step, masked positions as ░, tokens coloured by their step), then "
-                        "forwards, tokens per forward and time; plain lines when stdout is not "
-                        "a terminal")
-    p.add_argument("--watch-delay", type=float, default=None, metavar="SECONDS",
-                   help="with --watch: pause after each drawn step (default 0.08 on a "
-                        "terminal, 0 otherwise)")
+    add_watch_flags(p, "one prompt: show it denoise")
     g = p.add_argument_group("sampling (defaults for input lines that do not set them)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: 128, capped by the context length")

@@ -3,9 +3,9 @@ task generator it was trained on is deterministic, and its training script runs.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 import re
 from pathlib import Path
 
@@ -259,7 +259,7 @@ def test_eval_reports_train_and_held_out_phrasings(tmp_path, capsys):
     assert "train phrasings:" in printed and "held-out phrasings:" in printed
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"train", "held-out"}
-    for phrasing, rows in report["results"].items():
+    for rows in report["results"].values():
         assert [r["name"] for r in rows] == ["threshold τ=0.9",
                                              "low_confidence_static, 1 token/step"]
         for r in rows:

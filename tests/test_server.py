@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys

@@ -48,6 +48,7 @@ from report import (  # noqa: E402
     write_report,
 )
 
+
 def _granite_h(**shape) -> dict:
     """A Granite 4.0-H layout of 40 layers with attention at 5, 15, 25 and 35."""
     return dict(num_hidden_layers=40, head_dim=shape["hidden_size"] // shape[
@@ -60,6 +61,14 @@ def _granite_h(**shape) -> dict:
                 attention_multiplier=shape["num_attention_heads"] / shape["hidden_size"],
                 **shape)  # 1 / head_dim, as released
 
+
+GRANITE_H_TINY = dict(hidden_size=1536, num_attention_heads=12, num_key_value_heads=4,
+                      mamba_n_heads=48, num_local_experts=64, num_experts_per_tok=6,
+                      intermediate_size=512, shared_intermediate_size=1024, logits_scaling=6.0)
+GRANITE_H_MICRO = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                       mamba_n_heads=64, num_local_experts=0, num_experts_per_tok=0,
+                       intermediate_size=8192, shared_intermediate_size=8192,
+                       logits_scaling=8.0)
 
 # Real configs' shapes (config.json keys), the tokenizer comes from the factory.
 SHAPES = {
@@ -82,23 +91,13 @@ SHAPES = {
     # 512 beside a 1024 shared MLP in every layer, tied 100k vocabulary. Its MoE layers run
     # eagerly (no graph runner for them). "-bd": the same shape as a block-diffusion hybrid
     # (``GraniteMoeHybridForBlockDiffusion``, block 4), a denoise step per timed step.
-    "granite-h-tiny": ("GraniteMoeHybridForCausalLM", _granite_h(
-        hidden_size=1536, num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48,
-        num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
-        shared_intermediate_size=1024, logits_scaling=6.0)),
-    "granite-h-tiny-bd": ("GraniteMoeHybridForBlockDiffusion", _granite_h(
-        hidden_size=1536, num_attention_heads=12, num_key_value_heads=4, mamba_n_heads=48,
-        num_local_experts=64, num_experts_per_tok=6, intermediate_size=512,
-        shared_intermediate_size=1024, logits_scaling=6.0, block_size=4)),
+    "granite-h-tiny": ("GraniteMoeHybridForCausalLM", _granite_h(**GRANITE_H_TINY)),
+    "granite-h-tiny-bd": ("GraniteMoeHybridForBlockDiffusion",
+                          _granite_h(**GRANITE_H_TINY, block_size=4)),
     # ibm-granite/granite-4.0-h-micro (3B dense: shared MLP only), captured in CUDA graphs.
-    "granite-h-micro": ("GraniteMoeHybridForCausalLM", _granite_h(
-        hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, mamba_n_heads=64,
-        num_local_experts=0, num_experts_per_tok=0, intermediate_size=8192,
-        shared_intermediate_size=8192, logits_scaling=8.0)),
-    "granite-h-micro-bd": ("GraniteMoeHybridForBlockDiffusion", _granite_h(
-        hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, mamba_n_heads=64,
-        num_local_experts=0, num_experts_per_tok=0, intermediate_size=8192,
-        shared_intermediate_size=8192, logits_scaling=8.0, block_size=4)),
+    "granite-h-micro": ("GraniteMoeHybridForCausalLM", _granite_h(**GRANITE_H_MICRO)),
+    "granite-h-micro-bd": ("GraniteMoeHybridForBlockDiffusion",
+                           _granite_h(**GRANITE_H_MICRO, block_size=4)),
 }
 
 
