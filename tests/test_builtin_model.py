@@ -73,6 +73,7 @@ def test_chat_stats_line_reports_the_answer(builtin, capsys):
                      r"(\d+) blocks\), ([\d.]+) tokens/forward, ([\d.]+) s, ([\d.]+) tokens/s\]",
                      captured.err.strip())
     assert m, captured.err
+    builtin.engine.clear_prefix_cache()  # the command's engine was fresh: no cached blocks
     out = builtin.chat([{"role": "user", "content": "Sort these words: pear, apple, fig"}],
                        SamplingParams(max_new_tokens=128, temperature=0.0))[0]
     counts = [int(m.group(i)) for i in range(1, 6)]
