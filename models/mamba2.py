@@ -36,9 +36,9 @@ chunks of ``chunk_size``, each starting from the state the previous one left, so
 ``chunk² × heads`` whatever ``T``: exactly the recurrence, re-associated.
 
 Rows are token-major: ``[T_total, ...]`` with ``extend_lens`` tokens per row, as the runner's
-``ForwardBatch`` lays them out. Rows of one length (every denoise step and commit of block
-diffusion) run as one batched pass; rows of mixed lengths (chunked AR prefill beside decodes)
-one after another. States are per row: ``conv_state [rows, conv_dim, K − 1]``,
+``ForwardBatch`` lays them out. Rows of one short length (every denoise step and commit of
+block diffusion: ``BATCHED_ROW_TOKENS``) run as one batched pass; other rows (chunked AR
+prefill beside decodes, long prompts) one after another. States are per row: ``conv_state [rows, conv_dim, K − 1]``,
 ``ssm_state [rows, heads, head_dim, N]`` (fp32 unless the caller asks otherwise). Nothing is
 written in place: each call returns the new states, and the caller decides where they go
 (a denoise step of block diffusion reads the committed state and discards the new one).
@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 INF = float("inf")
+BATCHED_ROW_TOKENS = 64  # rows of one length up to this run as one batched pass
 
 
 @dataclass(frozen=True)
@@ -301,9 +302,11 @@ class Mamba2Mixer(nn.Module):
             raise ValueError("extend_lens do not match the tokens or the states")
         z, xbc, dt = split_projection(self.in_proj(hidden), d)
         dt, a = discretize(dt, self.dt_bias, self.A_log, d.time_step_limit)
-        if len(set(extend_lens)) == 1:
-            # Rows of one length (denoise steps and commits of block diffusion, a lone
-            # prefill): one batched pass, so the launches do not grow with the rows.
+        if len(set(extend_lens)) == 1 and (len(extend_lens) == 1
+                                           or extend_lens[0] <= BATCHED_ROW_TOKENS):
+            # Rows of one short length (denoise steps and commits of block diffusion) or a
+            # lone row: one batched pass, so the launches do not grow with the rows (longer
+            # rows go one by one: a pass holds rows x heads x L² scores).
             y, conv, ssm = self._rows(xbc, dt, a, conv_state, ssm_state, extend_lens[0])
             return self._finish(y.reshape(-1, d.num_heads, d.head_dim), z, hidden.dtype), \
                 conv, ssm
