@@ -203,14 +203,9 @@ def test_memory_pressure_evicts_and_loses_nothing(checkpoints) -> None:
     want = [o.token_ids for o in roomy.generate(prompts, params)]
     e = small.engine
     reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    pending = list(reqs)
-    while any(not r.finished for r in reqs):
-        if pending:
-            e.add_request(pending.pop(0))
-        e.step()
-        e.check_memory()
+    got = run_staggered(e, reqs, after_step=e.check_memory)
     assert [r.finish_reason for r in reqs] == [FinishReason.LENGTH] * 15
-    assert [e.output_of(r).token_ids for r in reqs] == want
+    assert got == want
     cache = e.prefix_cache
     assert cache.num_evicted_pages > 0  # the tree was evicted for admissions
     assert sum(r.cached_tokens for r in reqs) > 0  # and still served hits

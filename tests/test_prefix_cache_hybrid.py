@@ -172,14 +172,9 @@ def test_state_slot_pressure_evicts_snapshots_with_their_pages(checkpoints) -> N
     params = [SamplingParams(max_new_tokens=9, ignore_eos=True, seed=i) for i in range(10)]
     want = [o.token_ids for o in off.generate(prompts, params)]
     reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    pending = list(reqs)
-    while any(not r.finished for r in reqs):
-        if pending:
-            e.add_request(pending.pop(0))
-        e.step()
-        e.check_memory()
+    got = run_staggered(e, reqs, after_step=e.check_memory)
     assert [r.finish_reason for r in reqs] == [FinishReason.LENGTH] * 10
-    assert [e.output_of(r).token_ids for r in reqs] == want
+    assert got == want
     assert e.prefix_cache.num_evicted_pages > 0  # only state slots were short
     assert e.kv_pool.num_usable_pages > 10 * 8
     assert sum(r.cached_tokens > 0 for r in reqs) >= 2

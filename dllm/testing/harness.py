@@ -115,14 +115,17 @@ class CachedSequence:
         return logits
 
 
-def run_staggered(engine, reqs: list) -> list[list[int]]:
+def run_staggered(engine, reqs: list, after_step=None) -> list[list[int]]:
     """Run ``reqs`` on ``engine`` with one new arrival per engine step (continuous batching
-    with requests joining mid-flight); the generated token ids of each, in order."""
+    with requests joining mid-flight); the generated token ids of each, in order.
+    ``after_step()``, if given, runs after every step (e.g. ``engine.check_memory``)."""
     pending = list(reqs)
     while any(not r.finished for r in reqs):
         if pending:
             engine.add_request(pending.pop(0))
         engine.step()
+        if after_step is not None:
+            after_step()
     return [engine.output_of(r).token_ids for r in reqs]
 
 
