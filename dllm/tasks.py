@@ -15,6 +15,7 @@ either case) -- how the model copes with phrasings it was not trained on.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 
 TRAIN_SEED = 0
@@ -68,8 +69,76 @@ def _number(rng: random.Random) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _finish(rng: random.Random, text: str) -> str:
-    """Light surface noise so that casual typing is in distribution."""
+# ---------------------------------------------------------------------------------------------
+# Phrasings. Training questions are composed: a courtesy lead-in (sometimes), a core template
+# (a frame crossed with the ways of naming its operands), a closing word (sometimes), then
+# surface noise (lowercase, no final mark). The held-out templates (further below) are whole
+# questions that training never produces: every composed question whose skeleton -- lowercase,
+# punctuation and courtesy words dropped -- equals a held-out template's skeleton is drawn again.
+# ---------------------------------------------------------------------------------------------
+
+LEAD_INS = (
+    "Hey, ", "Hi, ", "Hello, ", "Hi! ", "Hey there, ", "Quick question: ", "Question: ",
+    "Quick one: ", "OK, ", "Okay, ", "So, ", "Please, ", "Hi there! ", "Help me out: ",
+    "I have a question. ", "Can you help? ", "Hmm, ", "Tell me, ",
+)
+CLOSINGS = (" please", ", please", " please?", ". Thanks", ", thanks!", " thanks", " for me",
+            " :)", "??", "!", " quickly")
+# Dropped from both sides before comparing a question with the held-out templates.
+COURTESY = frozenset("please kindly hey hi hello there thanks thank you ok okay so quick question "
+                     "one tell me can help hmm i have a out".split())
+
+
+def skeleton(template: str) -> str:
+    """The words of ``template`` that carry its meaning: lowercase, placeholders kept, ``+``,
+    ``-`` and ``{op}`` one word ``op``, ``=`` kept, "what's" is "what is", every other non-letter a space, courtesy
+    words dropped."""
+    text = re.sub(r"\{(\w+)\}", r" _\1_ ", template.lower()).replace("_op_", "+")
+    text = re.sub(r"\bwhat'?s\b", "what is", text)
+    text = re.sub(r"\s*([-+=])\s*", r" \1 ", text).replace("+", "op").replace(" - ", " op ")
+    return " ".join(w for w in re.sub(r"[^a-z_=]+", " ", text).split() if w not in COURTESY)
+
+
+def _expand(frames: tuple[str, ...], slots: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """Every frame with each ``<NAME>`` replaced by every phrase of ``slots[NAME]``."""
+    out: list[str] = []
+    for frame in frames:
+        todo = [frame]
+        for name, phrases in slots.items():
+            todo = [t.replace(f"<{name}>", p) for t in todo for p in phrases] if (
+                f"<{name}>" in frame) else todo
+        out += todo
+    return tuple(dict.fromkeys(out))
+
+
+def _capitalize_first(text: str) -> str:
+    return text[0].upper() + text[1:] if text and text[0].islower() else text
+
+
+def _compose(rng: random.Random, cores: tuple[str, ...], forbidden: frozenset[str]) -> str:
+    """One training question template: lead-in, core, closing, surface noise; never one whose
+    skeleton is a held-out template's."""
+    while True:
+        core = rng.choice(cores)
+        text = core
+        if rng.random() < 0.25:
+            lead = rng.choice(LEAD_INS)
+            text = lead + (core[0].lower() + core[1:] if rng.random() < 0.7 else core)
+        if rng.random() < 0.12:
+            text = text.rstrip(".?!") + rng.choice(CLOSINGS)
+        r = rng.random()
+        if r < 0.08:
+            text = text.lower()
+        elif r < 0.2:
+            text = text[0].lower() + text[1:]
+        if rng.random() < 0.15 and text[-1] in ".?!":
+            text = text[:-1]
+        if skeleton(text) not in forbidden:
+            return text
+
+
+def _held_out(rng: random.Random, templates: tuple[str, ...]) -> str:
+    text = rng.choice(templates)
     if rng.random() < 0.15:
         text = text[0].lower() + text[1:]
     if rng.random() < 0.15 and text[-1] in ".?":
@@ -77,75 +146,401 @@ def _finish(rng: random.Random, text: str) -> str:
     return text
 
 
+def _cased(rng: random.Random, word: str) -> str:
+    """A word as people type it: mostly lowercase, sometimes Capitalised, rarely in CAPITALS
+    (sorting then ignores case, and counting a letter counts it in either case)."""
+    r = rng.random()
+    return word.capitalize() if r < 0.2 else word.upper() if r < 0.28 else word
+
+
 def _op(rng: random.Random, sign: str) -> str:
     return sign if rng.random() < 0.5 else f" {sign} "
 
 
-def _cased(rng: random.Random, word: str, held_out: bool) -> str:
-    """Held out: a word as some people type it, sometimes Capitalised, rarely in CAPITALS
-    (training words are lowercase; the training stream draws nothing here)."""
-    if not held_out:
-        return word
-    r = rng.random()
-    return word.capitalize() if r < 0.2 else word.upper() if r < 0.3 else word
+# --- add -------------------------------------------------------------------------------------
+_ASK = ("What is <E>?", "What's <E>?", "Whats <E>", "what is <E>", "Compute <E>.",
+        "Calculate <E>.", "Work out <E>.", "Evaluate <E>.", "Find <E>.", "Tell me <E>.",
+        "Give me <E>.", "Can you compute <E>?", "Could you calculate <E>?",
+        "Can you tell me <E>?", "How much is <E>?", "What does <E> equal?",
+        "What does <E> come to?", "<E> = ?", "<E> =", "<E>", "<E>?", "<E> is?",
+        "<E> equals?", "<E> equals what?", "What do you get for <E>?", "I need <E>.",
+        "Do you know <E>?", "What number is <E>?", "What is the value of <E>?",
+        "Result of <E>?", "Solve <E>.", "What's the answer to <E>?", "Figure out <E>.")
+ADD_PHRASES = _expand(_ASK, {"E": (
+    "{a}{op}{b}", "{a} plus {b}", "the sum of {a} and {b}", "the total of {a} and {b}",
+    "{a} added to {b}", "{a} and {b} added together", "{a} plus {b} together")}) + (
+    "Add {a} and {b}.", "Add {a} to {b}.", "Add {a} plus {b}.", "Add up {a} and {b}.",
+    "Sum {a} and {b}.", "Sum of {a} and {b}?", "Total of {a} and {b}?",
+    "Can you add {a} and {b}?", "Could you add {a} to {b}?",
+    "If you add {a} and {b}, what do you get?", "If I add {a} to {b}, what do I get?",
+    "What do you get when you add {a} and {b}?", "What do {a} and {b} add up to?",
+    "What do {a} and {b} make?", "What do {a} and {b} make together?",
+    "{a} and {b} together make what?", "How much are {a} and {b} together?",
+    "What is the result of {a}{op}{b}?", "What is {a} and {b} added together?",
+    "Add these numbers: {a} and {b}", "Add these: {a}, {b}", "Plus {a} and {b}?",
+    "What is {a} more than {b}?", "Increase {a} by {b}.", "{a} increased by {b} is?",
+    "The sum: {a}{op}{b}", "Sum: {a}{op}{b}", "{a} plus {b} is what?")
+
+# --- sub -------------------------------------------------------------------------------------
+SUB_PHRASES = _expand(_ASK, {"E": (
+    "{a}{op}{b}", "{a} minus {b}", "{a} take away {b}", "{a} less {b}",
+    "the difference between {a} and {b}", "{b} subtracted from {a}", "{a} with {b} taken away",
+    "{b} taken from {a}", "{a} minus {b} exactly")}) + (
+    "Subtract {b} from {a}.", "Take {b} away from {a}.", "Take {b} from {a}.",
+    "Deduct {b} from {a}.", "Remove {b} from {a}.", "Can you subtract {b} from {a}?",
+    "Could you take {b} away from {a}?", "If you subtract {b} from {a}, what do you get?",
+    "If I take {b} from {a}, what is left?", "What do you get when you take {b} from {a}?",
+    "What is left when you take {b} away from {a}?", "How much is left when {b} is taken from {a}?",
+    "What remains if you subtract {b} from {a}?", "{a} minus {b} is what?",
+    "Decrease {a} by {b}.", "{a} decreased by {b} is?", "{a} reduced by {b}?",
+    "What is {a} reduced by {b}?", "Subtract: {a}{op}{b}", "The difference: {a}{op}{b}",
+    "Difference of {a} and {b}?", "What's {b} less than {a}?", "Minus {b} from {a}?",
+    "Start with {a} and subtract {b}.", "From {a}, subtract {b}.", "From {a} take away {b}.")
+
+# --- compare ---------------------------------------------------------------------------------
+_WHICH = ("Which is <P>, {a} or {b}?", "Which is <P>: {a} or {b}?", "Which is <P> {a} or {b}",
+          "Which number is <P>, {a} or {b}?", "Which one is <P>, {a} or {b}?",
+          "Which of {a} and {b} is <P>?", "Which of these is <P>: {a} or {b}?",
+          "{a} or {b}, which is <P>?", "{a} or {b}: which is <P>?", "{a} or {b} - which is <P>?",
+          "Between {a} and {b}, which is <P>?", "Of {a} and {b}, which is <P>?",
+          "Is {a} or {b} <P>?", "Which is <P>? {a} or {b}", "Which value is <P>, {a} or {b}?",
+          "Out of {a} and {b}, which one is <P>?")
+_THE = ("What is the <A> of {a} and {b}?", "Give the <A> of {a} and {b}.",
+        "Give me the <A> of {a} and {b}.", "Tell me the <A> of {a} and {b}.",
+        "The <A> of {a} and {b}?", "Find the <A> of {a} and {b}.",
+        "Pick the <A> number: {a} or {b}", "Choose the <A> one: {a} or {b}",
+        "Which is the <A> number, {a} or {b}?", "What's the <A> number, {a} or {b}?",
+        "Name the <A> of {a} and {b}.", "Return the <A> of {a} and {b}.")
+LARGER_PHRASES = _expand(_WHICH, {"P": ("larger", "bigger", "greater", "higher", "more",
+                                        "the larger one", "the bigger number")}) + _expand(
+    _THE, {"A": ("larger", "bigger", "greater", "higher", "largest", "biggest")}) + (
+    "max({a}, {b})", "max({a},{b})", "max of {a} and {b}", "maximum of {a} and {b}",
+    "What is the maximum of {a} and {b}?", "Which is the max, {a} or {b}?")
+SMALLER_PHRASES = _expand(_WHICH, {"P": ("smaller", "less", "lower", "the smaller one",
+                                         "the smaller number", "the lower number")}) + _expand(
+    _THE, {"A": ("smaller", "lower", "lesser", "smallest", "lowest")}) + (
+    "min({a}, {b})", "min({a},{b})", "min of {a} and {b}", "minimum of {a} and {b}",
+    "What is the minimum of {a} and {b}?", "Which is the min, {a} or {b}?")
+
+# --- reverse ---------------------------------------------------------------------------------
+_W = ("{w}", "the word {w}", "'{w}'", '"{w}"', "the word '{w}'", 'the word "{w}"')
+REVERSE_PHRASES = _expand((
+    "Reverse <W>.", "Reverse <W>", "reverse <W>", "Spell <W> backwards.", "Spell <W> backward.",
+    "Spell <W> in reverse.", "Write <W> backwards.", "Write <W> in reverse.",
+    "Say <W> backwards.", "Give me <W> backwards.", "Give <W> in reverse.",
+    "What is <W> backwards?", "What is <W> reversed?", "What is <W> spelled backwards?",
+    "What's <W> backwards?", "How do you spell <W> backwards?", "How is <W> spelled backwards?",
+    "Can you reverse <W>?", "Could you spell <W> backwards?", "Can you write <W> backwards?",
+    "<W> backwards?", "<W> backwards", "<W> reversed", "<W> reversed?", "<W> in reverse?",
+    "What does <W> look like backwards?", "Flip <W>.", "Flip <W> around.",
+    "Reverse the letters of <W>.", "Reverse the letters in <W>.", "Mirror <W>.",
+    "Turn <W> around.", "Read <W> backwards.", "What is the reverse of <W>?",
+    "Give the reverse of <W>.", "Backwards, <W> is?", "If you reverse <W>, what do you get?",
+    "What do you get when you spell <W> backwards?", "Spell the letters of <W> backwards.",
+), {"W": _W}) + ("Reverse the word: {w}", "Reverse this word: {w}", "Reverse: {w}",
+                 "backwards: {w}", "Spell backwards: {w}", "Word to reverse: {w}",
+                 "Reverse this: {w}", "Write this backwards: {w}")
+
+# --- sort ------------------------------------------------------------------------------------
+_O_END = ("these words: {ws}", "the words {ws}", "{ws}", "this list: {ws}",
+          "the following words: {ws}", "these: {ws}", "the list {ws}", "these words {ws}")
+_O_MID = ("the words {ws}", "{ws}", "these words ({ws})", "the list {ws}", "these words, {ws},")
+SORT_PHRASES = _expand((
+    "Sort <OE>", "Sort <OE>.", "Alphabetize <OE>", "Alphabetise <OE>",
+    "Put in alphabetical order: {ws}", "Sort alphabetically: {ws}", "Sort A-Z: {ws}",
+    "Sort from A to Z: {ws}", "Alphabetical order: {ws}", "sort: {ws}", "Order alphabetically: {ws}",
+    "Arrange alphabetically: {ws}", "Arrange in alphabetical order: {ws}",
+    "List alphabetically: {ws}", "Can you sort <OE>?", "Could you alphabetize <OE>?",
+    "Please sort <OE>", "Sort <OM> alphabetically.", "Sort <OM> in alphabetical order.",
+    "Put <OM> in alphabetical order.", "Put <OM> in order.", "Put <OM> in ABC order.",
+    "Arrange <OM> alphabetically.", "Arrange <OM> in alphabetical order.",
+    "List <OM> in alphabetical order.", "List <OM> alphabetically.", "Order <OM> alphabetically.",
+    "Order <OM> from A to Z.", "Rearrange <OM> alphabetically.",
+    "Can you put <OM> in alphabetical order?", "Could you sort <OM> alphabetically?",
+    "What is the alphabetical order of <OM>?", "<OM> in alphabetical order?",
+    "<OM> sorted alphabetically?", "<OM> sorted", "How do <OM> go in alphabetical order?",
+    "Write <OM> in alphabetical order.", "Sort these alphabetically: {ws}",
+    "Alphabetically, how do <OM> go?", "What order do <OM> go in alphabetically?",
+), {"OE": _O_END, "OM": _O_MID})
+
+# --- count -----------------------------------------------------------------------------------
+LENGTH_PHRASES = _expand((
+    "How many letters are in <W>?", "How many letters does <W> have?", "How many letters in <W>?",
+    "How many characters are in <W>?", "How many characters does <W> have?",
+    "Count the letters in <W>.", "Count the letters of <W>.", "Count the characters in <W>.",
+    "What is the length of <W>?", "How long is <W>?", "Length of <W>?",
+    "Number of letters in <W>?", "What is the number of letters in <W>?",
+    "How many letters has <W> got?", "Tell me the number of letters in <W>.",
+    "Letter count of <W>?", "How many letters is <W>?", "<W> has how many letters?",
+    "Count how many letters <W> has.", "How many letters long is <W>?",
+    "What's the length of <W>?", "Give the length of <W>.", "len(<W>)",
+    "Can you count the letters in <W>?", "How many letters are there in <W>?",
+    "<W>: how many letters?", "Letters in <W>?",
+), {"W": _W})
+_C = ("the letter {c}", "{c}", "'{c}'", "letter {c}", 'the letter "{c}"', "the letter '{c}'")
+OCCURRENCE_PHRASES = _expand((
+    "How many times does <C> appear in <W>?", "How many times does <C> occur in <W>?",
+    "How often does <C> appear in <W>?", "How often does <C> occur in <W>?",
+    "How many times is <C> in <W>?", "How many times do you see <C> in <W>?",
+    "Count <C> in <W>.", "Count how many times <C> appears in <W>.",
+    "In <W>, how many times does <C> occur?", "How many times can you find <C> in <W>?",
+    "How many times does <W> contain <C>?", "How many times is <C> used in <W>?",
+    "Number of times <C> appears in <W>?", "Count the occurrences of <C> in <W>.",
+    "How many occurrences of <C> are in <W>?", "How many instances of <C> are there in <W>?",
+    "Count the {c}'s in <W>.", "How many {c}'s are in <W>?", "How many {c}'s does <W> have?",
+    "How many {c}'s in <W>?", "Number of {c}'s in <W>?", "How many {c}'s are there in <W>?",
+    "In <W>, count <C>.",
+), {"C": _C, "W": _W})
 
 
-ADD_PHRASES = (
-    "What is {a}{op}{b}?", "Compute {a}{op}{b}.", "Calculate {a}{op}{b}.", "{a}{op}{b} = ?",
-    "What's {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
-    "{a}{op}{b}", "How much is {a}{op}{b}?", "What is {a} plus {b}?",
-)
-SUB_PHRASES = (
-    "What is {a}{op}{b}?", "Compute {a}{op}{b}.", "Calculate {a}{op}{b}.", "{a}{op}{b} = ?",
-    "What's {a} minus {b}?", "Subtract {b} from {a}.", "{a}{op}{b}", "How much is {a}{op}{b}?",
-    "What is {a} minus {b}?", "What is {b} subtracted from {a}?",
-)
-
-# The held-out templates of each family (``held_out=True``): none is a training template.
-ADD_HELD_OUT = (
+# The held-out templates of each family (``held_out=True``) come from two sources. The
+# designed ones use the words of the training phrasings in other orders; training never
+# produces one (by skeleton).
+ADD_DESIGNED = (
     "What is the result of adding {a} and {b}?", "Find {a} plus {b}.",
     "How much do {a} and {b} make together?", "Tell me the sum: {a} and {b}",
     "{a} added to {b} is what?", "What number is {a}{op}{b}?",
 )
-SUB_HELD_OUT = (
+SUB_DESIGNED = (
     "What is the result of subtracting {b} from {a}?", "Find {a} minus {b}.",
     "How much is left if you take {b} away from {a}?", "Tell me the difference: {a}{op}{b}",
     "{b} subtracted from {a} is what?", "What number is {a}{op}{b}?",
 )
+LARGER_DESIGNED = (
+    "Tell me which is greater, {a} or {b}.", "Between {a} and {b}, which number is bigger?",
+    "Which of {a} and {b} is the larger one?", "Give the bigger of {a} and {b}.",
+)
+SMALLER_DESIGNED = (
+    "Tell me which is less, {a} or {b}.", "Between {a} and {b}, which number is smaller?",
+    "Which of {a} and {b} is the smaller one?", "Give the lower of {a} and {b}.",
+)
+REVERSE_DESIGNED = (
+    "Please write the word '{w}' backwards.", "What do you get if you reverse {w}?",
+    "Give me {w} spelled backwards.", "Reverse the order of the letters in {w}.",
+)
+SORT_DESIGNED = (
+    "Please put the words {ws} in alphabetical order.", "Sort this list of words: {ws}",
+    "Give these words in alphabetical order: {ws}", "In alphabetical order, {ws} are?",
+)
+LENGTH_DESIGNED = (
+    "Tell me how many letters the word {w} has.", "How many letters make up '{w}'?",
+    "What is the letter count of {w}?",
+)
+OCCURRENCE_DESIGNED = (
+    "In the word '{w}', how many times does the letter {c} appear?",
+    "Tell me how many {c}'s the word {w} has.", "How many letters {c} are in '{w}'?",
+)
+
+
+# The natural ones were written by someone who had not seen the training phrasings, as people
+# type such questions into a chat box (25 a family). Those whose skeleton is already a training
+# phrasing's are training phrasings (the grammar above was written first and not changed after);
+# the others are held out, and training never produces them either.
+ADD_NATURAL = (
+    'What is {a} + {b}?',
+    "what's {a}+{b}",
+    'Can you add {a} and {b} for me?',
+    'hey, what do you get if you add {a} and {b}?',
+    'quick one: {a} plus {b}',
+    'Please compute the sum of {a} and {b}.',
+    '{a} + {b} = ?',
+    'add {a} to {b}',
+    'What is the total of {a} and {b}?',
+    'how much is {a} plus {b}?',
+    'Could you tell me what {a} plus {b} equals?',
+    'sum of {a} and {b}?',
+    'i need {a} + {b}, thanks',
+    'Kindly calculate {a} + {b}.',
+    'What does "{a}" plus "{b}" come to?',
+    'Add these two numbers: {a} and {b}',
+    'If I have {a} and add {b} more, how many do I have?',
+    'whats {a} plus {b}',
+    'Hi! Could you work out {a} + {b} please?',
+    'calculate {a}+{b}',
+    'Find the sum: {a} + {b}',
+    "yo what's {a} and {b} added together",
+    "Please add '{a}' and '{b}' and give me the result.",
+    '{a} plus {b} is what?',
+    'Tell me the sum of the numbers {a} and {b}.',
+)
+SUB_NATURAL = (
+    'What is {a} - {b}?',
+    "what's {a}-{b}",
+    'Can you subtract {b} from {a}?',
+    'hey, what is {a} minus {b}?',
+    'quick one: {a} minus {b}',
+    'Please compute {a} - {b}.',
+    '{a} - {b} = ?',
+    'subtract {b} from {a}',
+    'What do you get when you take {b} away from {a}?',
+    'how much is {a} minus {b}?',
+    'Could you tell me what {a} minus {b} equals?',
+    '{a} take away {b}?',
+    'i need {a} - {b}, thanks',
+    'Kindly calculate {a} minus {b}.',
+    'What is "{a}" minus "{b}"?',
+    "Take {b} from {a}. What's left?",
+    'If I start with {a} and subtract {b}, what do I get?',
+    'whats {a} minus {b}',
+    'Hi! Could you work out {a} - {b} please?',
+    'calculate {a}-{b}',
+    'Find the result of {a} - {b}',
+    "yo what's {b} subtracted from {a}",
+    "Please subtract '{b}' from '{a}' and give me the result.",
+    '{a} minus {b} is what?',
+    'Compute the difference {a} minus {b} (first number minus second).',
+)
+LARGER_NATURAL = (
+    'Which is larger, {a} or {b}?',
+    'which is bigger: {a} or {b}',
+    "What's the greater number, {a} or {b}?",
+    'hey, is {a} or {b} bigger?',
+    'quick one: larger of {a} and {b}?',
+    'Please tell me which number is larger: {a} or {b}.',
+    'max of {a} and {b}',
+    'Which one is more, {a} or {b}?',
+    "Can you tell me which is greater, '{a}' or '{b}'?",
+    'Out of {a} and {b}, which is the bigger number?',
+    'bigger one? {a} vs {b}',
+    'Between "{a}" and "{b}", which has the higher value?',
+    'Give me the larger of these two numbers: {a}, {b}',
+)
+SMALLER_NATURAL = (
+    'Which is smaller, {a} or {b}?',
+    'which is less: {a} or {b}',
+    "What's the lesser number, {a} or {b}?",
+    'hey, is {a} or {b} smaller?',
+    'quick one: smaller of {a} and {b}?',
+    'Please tell me which number is smaller: {a} or {b}.',
+    'min of {a} and {b}',
+    "Can you tell me which is lower, '{a}' or '{b}'?",
+    'Out of {a} and {b}, which is the smaller number?',
+    'smaller one? {a} vs {b}',
+    'Between "{a}" and "{b}", which has the lower value?',
+    'Give me the smaller of these two numbers: {a}, {b}',
+)
+REVERSE_NATURAL = (
+    'Spell {w} backwards.',
+    'reverse the word {w}',
+    "Can you write '{w}' backwards?",
+    "hey, what's {w} spelled backwards?",
+    'quick one: {w} reversed',
+    'Please reverse the letters of the word "{w}".',
+    'what is {w} backwards',
+    'How do you spell {w} in reverse?',
+    'Write the word {w} with its letters in reverse order.',
+    '{w} backwards?',
+    "Could you spell the word '{w}' from the last letter to the first?",
+    'i need {w} reversed pls',
+    'Kindly provide the reverse spelling of "{w}".',
+    'reverse this word: {w}',
+    'Hi! What does {w} look like spelled backwards?',
+    'flip the letters of {w} around',
+    'Reverse "{w}"',
+    'what do you get if you read {w} backwards?',
+    'Give me {w} spelled in reverse.',
+    'backwards spelling of {w}?',
+    "Can you reverse the order of the letters in '{w}'?",
+    'Type the word {w} backwards, please.',
+    'yo spell {w} backwards',
+    "What is the word '{w}' when written in reverse?",
+    'Take the word {w} and reverse it.',
+)
+SORT_NATURAL = (
+    'Put these words in alphabetical order: {ws}',
+    'sort alphabetically: {ws}',
+    'Can you alphabetize these words? {ws}',
+    'hey, sort these words A to Z: {ws}',
+    'quick one: alphabetical order of {ws}',
+    'Please arrange the following words alphabetically: {ws}.',
+    'alphabetize: {ws}',
+    'What is the alphabetical order of these words: {ws}?',
+    'Sort the words {ws} in alphabetical order.',
+    'i need these in abc order: {ws}',
+    'Could you list {ws} in alphabetical order?',
+    'Kindly sort the following list alphabetically: {ws}',
+    'Order these words alphabetically: "{ws}"',
+    'Hi! Can you put {ws} into alphabetical order please?',
+    'sort these words: {ws}',
+    'arrange in dictionary order: {ws}',
+    'Rearrange these words so they are in alphabetical order: {ws}',
+    'Give me these words sorted A-Z: {ws}',
+    '{ws} - sort them alphabetically',
+    'alphabetical order pls: {ws}',
+    'How would these words be ordered alphabetically? {ws}',
+    "Please sort '{ws}' alphabetically.",
+    'yo put {ws} in alphabetical order',
+    'List the following words from A to Z: {ws}',
+    'Sort into alphabetical order, comma separated: {ws}',
+)
+LENGTH_NATURAL = (
+    'How many letters are in the word {w}?',
+    'how many letters does {w} have',
+    "Can you count the letters in '{w}'?",
+    'hey, how many letters in {w}?',
+    'quick one: number of letters in {w}',
+    'Please tell me how many letters the word "{w}" contains.',
+    'letter count of {w}?',
+    'How long is the word {w}, in letters?',
+    'count the letters: {w}',
+    "What's the number of letters in '{w}'?",
+    'Hi! How many letters make up the word {w}?',
+    '{w} has how many letters?',
+    'Kindly count the number of letters in "{w}".',
+)
+OCCURRENCE_NATURAL = (
+    'How many times does the letter {c} appear in {w}?',
+    "how many {c}'s are in {w}",
+    "Can you count how many times '{c}' occurs in the word '{w}'?",
+    'hey, how many times is the letter {c} in {w}?',
+    'quick one: count of letter {c} in {w}',
+    'Please tell me how often the letter "{c}" appears in "{w}".',
+    'count the letter {c} in the word {w}',
+    'In the word {w}, how many times does {c} show up?',
+    "number of '{c}' letters in '{w}'?",
+    'Hi! How many {c}s does the word {w} contain?',
+    'Kindly count the occurrences of the letter {c} in the word {w}.',
+    '{w}: how many times does the letter {c} occur?',
+)
+
+
+def _untrained(natural: tuple[str, ...], train: tuple[str, ...]) -> tuple[str, ...]:
+    seen = {skeleton(t) for t in train}
+    return tuple(t for t in natural if skeleton(t) not in seen)
+
+
+ADD_HELD_OUT = ADD_DESIGNED + _untrained(ADD_NATURAL, ADD_PHRASES)
+SUB_HELD_OUT = SUB_DESIGNED + _untrained(SUB_NATURAL, SUB_PHRASES)
+LARGER_HELD_OUT = LARGER_DESIGNED + _untrained(LARGER_NATURAL, LARGER_PHRASES)
+SMALLER_HELD_OUT = SMALLER_DESIGNED + _untrained(SMALLER_NATURAL, SMALLER_PHRASES)
+REVERSE_HELD_OUT = REVERSE_DESIGNED + _untrained(REVERSE_NATURAL, REVERSE_PHRASES)
+SORT_HELD_OUT = SORT_DESIGNED + _untrained(SORT_NATURAL, SORT_PHRASES)
+LENGTH_HELD_OUT = LENGTH_DESIGNED + _untrained(LENGTH_NATURAL, LENGTH_PHRASES)
+OCCURRENCE_HELD_OUT = OCCURRENCE_DESIGNED + _untrained(OCCURRENCE_NATURAL, OCCURRENCE_PHRASES)
+
+
+def _forbidden(*held: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(skeleton(t) for group in held for t in group)
+
+
+_ARITH_FORBIDDEN = _forbidden(ADD_HELD_OUT, SUB_HELD_OUT)
+_COMPARE_FORBIDDEN = _forbidden(LARGER_HELD_OUT, SMALLER_HELD_OUT)
+_WORD_FORBIDDEN = _forbidden(REVERSE_HELD_OUT, SORT_HELD_OUT, LENGTH_HELD_OUT,
+                             OCCURRENCE_HELD_OUT)
 
 
 def _add(rng: random.Random, held_out: bool) -> Exchange:
     a, b = _number(rng), _number(rng)
-    q = rng.choice(ADD_HELD_OUT if held_out else ADD_PHRASES).format(a=a, b=b, op=_op(rng, "+"))
-    return _finish(rng, q), str(a + b)
+    t = _held_out(rng, ADD_HELD_OUT) if held_out else _compose(rng, ADD_PHRASES, _ARITH_FORBIDDEN)
+    return t.format(a=a, b=b, op=_op(rng, "+")), str(a + b)
 
 
 def _sub(rng: random.Random, held_out: bool) -> Exchange:
     a, b = _number(rng), _number(rng)
     if a < b and rng.random() < 0.75:  # mostly non-negative results, some negative ones
         a, b = b, a
-    q = rng.choice(SUB_HELD_OUT if held_out else SUB_PHRASES).format(a=a, b=b, op=_op(rng, "-"))
-    return _finish(rng, q), str(a - b)
-
-
-LARGER_PHRASES = (
-    "Which is larger, {a} or {b}?", "Which is bigger: {a} or {b}?",
-    "Which number is greater, {a} or {b}?", "What is the larger of {a} and {b}?",
-    "Which is more, {a} or {b}?", "max({a}, {b})", "Which is greater: {a} or {b}?",
-)
-SMALLER_PHRASES = (
-    "Which is smaller, {a} or {b}?", "Which is less: {a} or {b}?",
-    "Which number is smaller, {a} or {b}?", "What is the smaller of {a} and {b}?",
-    "min({a}, {b})", "Which is lower, {a} or {b}?",
-)
-LARGER_HELD_OUT = (
-    "Tell me which is greater, {a} or {b}.", "Between {a} and {b}, which number is bigger?",
-    "Which of {a} and {b} is the larger one?", "Give the bigger of {a} and {b}.",
-)
-SMALLER_HELD_OUT = (
-    "Tell me which is less, {a} or {b}.", "Between {a} and {b}, which number is smaller?",
-    "Which of {a} and {b} is the smaller one?", "Give the lower of {a} and {b}.",
-)
+    t = _held_out(rng, SUB_HELD_OUT) if held_out else _compose(rng, SUB_PHRASES, _ARITH_FORBIDDEN)
+    return t.format(a=a, b=b, op=_op(rng, "-")), str(a - b)
 
 
 def _close_to(rng: random.Random, a: int) -> int:
@@ -165,74 +560,39 @@ def _compare(rng: random.Random, held_out: bool) -> Exchange:
     b = _close_to(rng, a) if rng.random() < 0.5 else _number(rng)
     while b == a:
         b = _number(rng)
-    if rng.random() < 0.6:
-        q, ans = rng.choice(LARGER_HELD_OUT if held_out else LARGER_PHRASES), max(a, b)
+    larger = rng.random() < 0.6
+    if held_out:
+        t = _held_out(rng, LARGER_HELD_OUT if larger else SMALLER_HELD_OUT)
     else:
-        q, ans = rng.choice(SMALLER_HELD_OUT if held_out else SMALLER_PHRASES), min(a, b)
-    return _finish(rng, q.format(a=a, b=b)), str(ans)
+        t = _compose(rng, LARGER_PHRASES if larger else SMALLER_PHRASES, _COMPARE_FORBIDDEN)
+    return t.format(a=a, b=b), str(max(a, b) if larger else min(a, b))
 
 
-REVERSE_PHRASES = (
-    "Reverse the word: {w}", "Reverse the word {w}.", "Spell {w} backwards.",
-    "What is {w} reversed?", "Write '{w}' backwards.", "reverse {w}", "Reverse '{w}'.",
-    "Spell the word {w} backwards.",
-)
-REVERSE_HELD_OUT = (
-    "Please write the word '{w}' backwards.", "What do you get if you reverse {w}?",
-    "Give me {w} spelled backwards.", "Reverse the order of the letters in {w}.",
-)
+def _word_question(rng: random.Random, held_out: bool, train: tuple[str, ...],
+                   held: tuple[str, ...]) -> str:
+    return _held_out(rng, held) if held_out else _compose(rng, train, _WORD_FORBIDDEN)
 
 
 def _reverse(rng: random.Random, held_out: bool) -> Exchange:
-    w = _cased(rng, rng.choice(WORDS), held_out)
-    q = rng.choice(REVERSE_HELD_OUT if held_out else REVERSE_PHRASES)
-    return _finish(rng, q.format(w=w)), w[::-1]
-
-
-SORT_PHRASES = (
-    "Sort these words: {ws}", "Sort alphabetically: {ws}",
-    "Put these words in alphabetical order: {ws}", "Sort the words {ws} alphabetically.",
-    "Arrange in alphabetical order: {ws}", "sort: {ws}", "Sort these words alphabetically: {ws}",
-)
-SORT_HELD_OUT = (
-    "Please put the words {ws} in alphabetical order.", "Sort this list of words: {ws}",
-    "Give these words in alphabetical order: {ws}", "In alphabetical order, {ws} are?",
-)
+    w = _cased(rng, rng.choice(WORDS))
+    q = _word_question(rng, held_out, REVERSE_PHRASES, REVERSE_HELD_OUT)
+    return q.format(w=w), w[::-1]
 
 
 def _sort(rng: random.Random, held_out: bool) -> Exchange:
-    words = [_cased(rng, w, held_out) for w in rng.sample(SHORT_WORDS, rng.randint(3, 5))]
-    q = rng.choice(SORT_HELD_OUT if held_out else SORT_PHRASES).format(ws=", ".join(words))
-    return _finish(rng, q), ", ".join(sorted(words, key=str.lower))
-
-
-LENGTH_PHRASES = (
-    "How many letters are in '{w}'?", "How many letters does {w} have?",
-    "How many letters are in the word {w}?", "Count the letters in {w}.",
-    "What is the length of the word '{w}'?", "How long is the word {w}?",
-)
-OCCURRENCE_PHRASES = (
-    "How many times does the letter {c} appear in '{w}'?", "How many {c}'s are in {w}?",
-    "Count the letter {c} in {w}.", "How many times does {c} occur in the word {w}?",
-)
-LENGTH_HELD_OUT = (
-    "Tell me how many letters the word {w} has.", "How many letters make up '{w}'?",
-    "What is the letter count of {w}?",
-)
-OCCURRENCE_HELD_OUT = (
-    "In the word '{w}', how many times does the letter {c} appear?",
-    "Tell me how many {c}'s the word {w} has.", "How many letters {c} are in '{w}'?",
-)
+    words = [_cased(rng, w) for w in rng.sample(SHORT_WORDS, rng.randint(3, 5))]
+    q = _word_question(rng, held_out, SORT_PHRASES, SORT_HELD_OUT)
+    return q.format(ws=", ".join(words)), ", ".join(sorted(words, key=str.lower))
 
 
 def _count(rng: random.Random, held_out: bool) -> Exchange:
-    w = _cased(rng, rng.choice(WORDS), held_out)
+    w = _cased(rng, rng.choice(WORDS))
     if rng.random() < 0.5:
-        q = rng.choice(LENGTH_HELD_OUT if held_out else LENGTH_PHRASES)
-        return _finish(rng, q.format(w=w)), str(len(w))
+        q = _word_question(rng, held_out, LENGTH_PHRASES, LENGTH_HELD_OUT)
+        return q.format(w=w), str(len(w))
     c = rng.choice(w.lower()) if rng.random() < 0.8 else rng.choice("abcdefghijklmnopqrstuvwxyz")
-    q = rng.choice(OCCURRENCE_HELD_OUT if held_out else OCCURRENCE_PHRASES)
-    return _finish(rng, q.format(c=c, w=w)), str(w.lower().count(c))
+    q = _word_question(rng, held_out, OCCURRENCE_PHRASES, OCCURRENCE_HELD_OUT)
+    return q.format(c=c.upper() if rng.random() < 0.1 else c, w=w), str(w.lower().count(c))
 
 
 GREETINGS = ("Hello", "Hi", "Hello!", "Hi!", "Hey", "Help", "What can you do?",
