@@ -14,6 +14,8 @@ from dllm.models.registry import ArchitectureSpec, get_architecture
 # Known mask strings, tried in order when the tokenizer declares no mask token of its own.
 KNOWN_MASK_STRINGS = ("<|mask|>", "<|mdm_mask|>", "<|MASK|>", "<MASK>", "|<MASK>|", "[MASK]")
 BUILTIN_MODEL_DIR = Path(__file__).resolve().parent / "builtin_model"
+# The model used when none is given; also selected by the name ``builtin``.
+BUILTIN_MODEL_NAME = "builtin"
 # The hybrid sibling (Mamba2 + attention, ``GraniteMoeHybridForBlockDiffusion``), selected by
 # the model name ``builtin-hybrid``; trained by ``scripts/train_builtin.py --hybrid``.
 BUILTIN_HYBRID_NAME = "builtin-hybrid"
@@ -38,7 +40,7 @@ class ModelInfo:
 
 
 def resolve_model_path(model: str | None) -> str:
-    if model is None:
+    if model is None or (model == BUILTIN_MODEL_NAME and not os.path.isdir(model)):
         if (BUILTIN_MODEL_DIR / "config.json").is_file():
             return str(BUILTIN_MODEL_DIR)
         raise ValueError("no model given and no built-in model is shipped; pass model=DIR")

@@ -277,8 +277,14 @@ def test_hybrid_training_tiny_run_writes_loadable_checkpoint(tmp_path):
             assert torch.allclose(got_noised[row, start:start + 8], want_block, atol=1e-5)
 
 
-def test_builtin_hybrid_name_says_when_it_is_not_packaged():
-    from dllm.checkpoint import BUILTIN_HYBRID_DIR, resolve_model_path
+def test_builtin_names_select_the_packaged_models(tmp_path, monkeypatch):
+    from dllm.checkpoint import BUILTIN_HYBRID_DIR, BUILTIN_MODEL_DIR, resolve_model_path
+
+    assert resolve_model_path("builtin") == resolve_model_path(None) == str(BUILTIN_MODEL_DIR)
+    monkeypatch.chdir(tmp_path)  # a directory of that name is a checkpoint path, not the alias
+    (tmp_path / "builtin").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_path("builtin")
 
     if (BUILTIN_HYBRID_DIR / "config.json").is_file():
         assert resolve_model_path("builtin-hybrid") == str(BUILTIN_HYBRID_DIR)
