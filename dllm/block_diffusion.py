@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from dllm.algorithms import get_algorithm
 from dllm.denoise import (
     DenoisePost,
     config_rows,
@@ -73,9 +74,19 @@ from dllm.scheduler import Row, Scheduler
 class BlockDiffusionScheduler(Scheduler):
     """``logits_shift``: 1 for Fast-dLLM v2 (module docstring)."""
 
-    def __init__(self, *args: Any, logits_shift: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, logits_shift: int = 0, merged_commit: bool = True,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.logits_shift = logits_shift
+        # Shifted logits read the next block's first token from the commit pass: no merging.
+        self.merged_commit = merged_commit and not logits_shift
+
+    def merges_commit(self, req: Req) -> bool:
+        """Whether ``req``'s resolved block commits inside its next block's first denoise
+        step (module docstring): the host knows the block is final (no forward on it is in
+        flight) and the algorithm never edits a filled block."""
+        return (self.merged_commit and req.inflight == 0
+                and not get_algorithm(req.denoise.algorithm).edits)
 
     def match_limit(self, req: Req) -> int:
         """The full prompt blocks (the partial last one is denoised, never cached); with
@@ -157,46 +168,57 @@ class BlockDiffusionScheduler(Scheduler):
         )
 
     def build_denoise(self, reqs: list[Req]) -> ScheduledBatch | None:
-        """One ``DLLM_EXTEND`` row of exactly ``block_size`` tokens per request."""
-        rows: list[tuple[Req, BlockState]] = []
+        """One ``DLLM_EXTEND`` row of ``block_size`` tokens per request, or of twice that
+        for a merged commit (a resolved block's final tokens, then the next block)."""
+        rows: list[tuple[Req, BlockState, BlockState | None]] = []
         for req in reqs:
-            blk = req.denoise.block
+            blk, commit = req.denoise.block, None
             if blk is not None and blk.resolved and blk.commit_launched:
                 if self.logits_shift:
                     continue  # the commit's result holds the next block's first token
                 req.denoise.block = blk = None  # its commit forward is queued: the next block starts
+            elif blk is not None and blk.resolved and self.merges_commit(req):
+                commit, blk = blk, None  # committed in this row, before the next block
             if blk is None:
                 if self.logits_shift and req.inflight:
                     continue  # the prefill's result holds the block's first token
                 self._start_block(req)
                 blk = req.denoise.block
-            rows.append((req, blk))
+            rows.append((req, blk, commit))
         if not rows:
             return None
+        merged = any(commit is not None for _, _, commit in rows)
+        b = self.config.block_size
         batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
-                               kind=StepKind.DENOISE, block_size=self.config.block_size,
-                               logits_mode=LogitsMode.ALL)
+                               kind=StepKind.DENOISE, block_size=b,
+                               logits_mode=LogitsMode.BLOCK if merged else LogitsMode.ALL)
         editable: list[bool] = []
         carry = Carry()
         gates: list[torch.Tensor | None] = []
-        for req, blk in rows:
-            batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
+        for req, blk, commit in rows:
+            if commit is None:
+                batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
+            else:  # block-causal: the first block sees only itself, the next sees both
+                batch.add_row(req.rid, req.req_pool_idx, commit.tokens + blk.tokens,
+                              commit.start)
+                editable += [False] * b
+            if merged:
+                batch.state_split.append(b if commit is not None else 0)
             batch.row_groups.append(req.denoise.algorithm)
-            batch.rows.append(Row(req, blk))
             editable += blk.editable  # bools: the registry stores them as 0/1
             # In flight on this block: its input is that forward's output, on the device.
             carried = blk.carry if req.inflight else None
             carry.add(carried)
-            gate, track = self._add_state(batch, req, blk, carried is not None)
+            gate, track = self._add_state(batch, req, blk, carried is not None, commit)
             gates.append(gate)
-            batch.rows[-1] = Row(req, blk, track)
-        reqs = [req for req, _ in rows]
+            batch.rows.append(Row(req, blk, track, commit))
+        reqs = [req for req, _, _ in rows]
         if (top := trace_top(reqs)) is not None:  # a traced batch replays its own graph
             batch.row_groups = [graph_group(g, top) for g in batch.row_groups]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
-            step=[blk.step for _, blk in rows],
-            num_initial_masks=[blk.num_initial_masks for _, blk in rows],
+            step=[blk.step for _, blk, _ in rows],
+            num_initial_masks=[blk.num_initial_masks for _, blk, _ in rows],
             **sampling_rows(reqs),
             **config_rows(reqs),
         )
@@ -207,13 +229,17 @@ class BlockDiffusionScheduler(Scheduler):
             batch.state_write_gate = torch.stack([one if g is None else g for g in gates])
         return batch
 
-    def _add_state(self, batch: ScheduledBatch, req: Req, blk: BlockState,
-                   carried: bool) -> tuple[torch.Tensor | None, int]:
+    def _add_state(self, batch: ScheduledBatch, req: Req, blk: BlockState, carried: bool,
+                   commit: BlockState | None = None) -> tuple[torch.Tensor | None, int]:
         """A hybrid denoise row's state slots (module docstring); returns its write gate
         (None: the host knows whether it writes) and its track slot (a commit forward ending
         on the track grid also snapshots the state for the prefix cache; 0: none)."""
         if req.state_slot is None:
             return None, 0
+        if commit is not None:  # merged: the state after the first block (``state_split``)
+            track = self.track_slot(req, commit.start + req.block_size)
+            batch.add_state(req.state_slot, req.state_slot, track)
+            return None, track
         if blk.resolved:  # the commit forward
             track = self.track_slot(req, blk.start + req.block_size)
             batch.add_state(req.state_slot, req.state_slot, track)
@@ -244,6 +270,8 @@ class BlockDiffusionScheduler(Scheduler):
             if req is None:  # finished since the batch was built (a retried launch)
                 continue
             req.inflight += 1
+            if row.commit is not None:
+                row.commit.commit_launched = True
             if blk.resolved:  # the commit forward
                 blk.commit_launched = True
                 continue
@@ -258,8 +286,12 @@ class BlockDiffusionScheduler(Scheduler):
         result = DenoisePost.read(output, trace_top([row.req for row in batch.rows]))
 
         def apply_row(r: int, req: Req) -> bool:
-            blk, track = batch.rows[r].block, batch.rows[r].track
+            blk, track, commit = batch.rows[r].block, batch.rows[r].track, batch.rows[r].commit
             req.num_forward_passes += 1
+            if commit is not None:  # merged: the first block's KV (and state) are final
+                req.num_merged_commits += 1
+                self.cache_prefix(req, commit.start + req.block_size, track)
+                track = 0
             if blk.resolved:  # resolved before this forward: it was the commit forward
                 req.num_commit_forwards += 1
                 # The block's KV (and state) come from its final tokens now: exact.

@@ -173,6 +173,10 @@ class UnmaskingAlgorithm(ABC):
     name: ClassVar[str]
     defaults: ClassVar[dict[str, int | float | bool | str]]
     state_keys: ClassVar[tuple[str, ...]] = ()
+    # Whether the algorithm may change a mask-free block's tokens (token editing): the block
+    # is final only when a step's output says so, so its commit forward stays a forward of
+    # its own (``dllm.block_diffusion``: no merged commit).
+    edits: ClassVar[bool] = False
 
     def validate(self, config: Mapping[str, Any], block_size: int) -> dict:
         """Merge ``config`` over ``defaults`` and check it; ValueError names the bad key.
