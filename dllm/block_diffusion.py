@@ -88,6 +88,17 @@ class BlockDiffusionScheduler(Scheduler):
         return (self.merged_commit and req.inflight == 0
                 and not get_algorithm(req.denoise.algorithm).edits)
 
+    def surely_resolves(self, req: Req, blk: BlockState) -> bool:
+        """Under the overlap schedule: whether the denoise forward in flight on ``blk`` is
+        sure to finish it (its algorithm's fixed schedule ends there), so the next forward
+        may be its merged commit before the host reads the result; and the next block lies
+        inside the request's reservation."""
+        if not (self.merged_commit and req.inflight == 1 and blk.carry is not None
+                and not blk.resolved and blk.start + 2 * req.block_size <= req.reserved_len):
+            return False
+        algo = get_algorithm(req.denoise.algorithm)
+        return not algo.edits and algo.surely_done(req.denoise.algo_config, blk.step - 1)
+
     def match_limit(self, req: Req) -> int:
         """The full prompt blocks (the partial last one is denoised, never cached); with
         shifted logits a prompt ending on a block boundary keeps one block to prefill, whose
@@ -167,6 +178,15 @@ class BlockDiffusionScheduler(Scheduler):
             num_initial_masks=b - len(known),
         )
 
+    def _next_block(self, req: Req, blk: BlockState) -> BlockState:
+        """The block after ``blk`` (all masks: the prompt ends inside ``blk`` at the latest),
+        started before the host has read ``blk``'s final tokens."""
+        b = req.block_size
+        req.denoise.block = nxt = BlockState(
+            start=blk.start + b, tokens=[self.config.mask_token_id] * b, editable=[True] * b,
+            num_initial_masks=b)
+        return nxt
+
     def build_denoise(self, reqs: list[Req]) -> ScheduledBatch | None:
         """One ``DLLM_EXTEND`` row of ``block_size`` tokens per request, or of twice that
         for a merged commit (a resolved block's final tokens, then the next block)."""
@@ -179,6 +199,8 @@ class BlockDiffusionScheduler(Scheduler):
                 req.denoise.block = blk = None  # its commit forward is queued: the next block starts
             elif blk is not None and blk.resolved and self.merges_commit(req):
                 commit, blk = blk, None  # committed in this row, before the next block
+            elif blk is not None and self.surely_resolves(req, blk):
+                commit, blk = blk, self._next_block(req, blk)
             if blk is None:
                 if self.logits_shift and req.inflight:
                     continue  # the prefill's result holds the block's first token
@@ -206,8 +228,9 @@ class BlockDiffusionScheduler(Scheduler):
                 batch.state_split.append(b if commit is not None else 0)
             batch.row_groups.append(req.denoise.algorithm)
             editable += blk.editable  # bools: the registry stores them as 0/1
-            # In flight on this block: its input is that forward's output, on the device.
-            carried = blk.carry if req.inflight else None
+            # In flight on this block: its input is that forward's output, on the device (a
+            # merged row's first block, when the forward finishing it is in flight).
+            carried = (blk if commit is None else commit).carry if req.inflight else None
             carry.add(carried)
             gate, track = self._add_state(batch, req, blk, carried is not None, commit)
             gates.append(gate)
@@ -305,6 +328,9 @@ class BlockDiffusionScheduler(Scheduler):
                     return True
                 return False
             req.num_denoise_forwards += 1
+            if blk.commit_launched and not result.done[r]:
+                raise RuntimeError("a block sure to resolve did not (its merged commit "
+                                   "was launched)")
             req.track_busy.discard(track)  # gated off: a denoise step after all
             if req.trace is not None:
                 req.trace.record_step(blk.start, req.prompt_len, blk.tokens, result.tokens[r],

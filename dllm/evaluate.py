@@ -27,10 +27,11 @@ class SettingResult:
     name: str
     dllm: dict[str, Any]
     accuracy: dict[str, float]  # per family, plus "overall"
-    tokens_per_forward: float
+    tokens_per_forward: float  # over denoise and separate commit forwards (prefill excluded)
     forwards_per_block: float
     tokens: int
     denoise_forwards: int
+    commit_forwards: int  # forwards that only committed a block (none with merged commits)
     blocks: int
     seconds: float
     failures: list[dict[str, str]]  # the first few wrong answers
@@ -79,13 +80,17 @@ def evaluate(llm, families: list[str], per_family: int, seed: int,
         accuracy = {f: sum(h) / len(h) for f, h in hits.items()}
         accuracy["overall"] = sum(sum(h) for h in hits.values()) / len(items)
         tokens = sum(len(o.token_ids) for o in outs)
-        forwards = sum(o.num_denoise_forwards for o in outs)
+        # Every forward a block costs: denoise steps and separate commit forwards (a merged
+        # commit runs inside a denoise step and costs none).
+        denoise = sum(o.num_denoise_forwards for o in outs)
+        commits = sum(o.num_commit_forwards for o in outs)
+        forwards = denoise + commits
         blocks = sum(o.num_blocks for o in outs)
         results.append(SettingResult(
             name=name, dllm=dllm, accuracy=accuracy,
             tokens_per_forward=tokens / max(forwards, 1),
             forwards_per_block=forwards / max(blocks, 1), tokens=tokens,
-            denoise_forwards=forwards, blocks=blocks, seconds=round(seconds, 2),
+            denoise_forwards=denoise, commit_forwards=commits, blocks=blocks, seconds=round(seconds, 2),
             failures=failures))
     return results
 

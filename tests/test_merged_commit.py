@@ -62,11 +62,13 @@ def prompt(n: int, salt: int) -> list[int]:
     return torch.randint(10, 200, (n,), generator=g).tolist()
 
 
-def workload(algorithm: str, salt: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+def workload(algorithm: str, salt: int = 0, b: int = 4
+             ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts shorter and longer than a block, one sent twice past its shared prefix (a
+    prefix-cache hit on a generated block), each output crossing a block boundary."""
     shared = prompt(9, 99 + salt)
-    prompts = [prompt(2, salt), shared + prompt(3, salt), prompt(8, salt), shared,
-               prompt(13, salt + 1)]
-    params = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True, seed=i,
+    prompts = [prompt(2, salt), shared + prompt(3, salt), shared, prompt(13, salt + 1)]
+    params = [SamplingParams(max_new_tokens=b + 2 + 3 * i, ignore_eos=True, seed=i,
                              temperature=0.8 if i % 2 else 0.0,
                              dllm={"algorithm": algorithm, **ALGORITHMS[algorithm]})
               for i in range(len(prompts))]
@@ -103,9 +105,11 @@ def clear(*llms: LLM) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tokens_equal_the_separate_commit_path(paths, family, cache) -> None:
     merged, separate = engine(paths[family], True, cache), engine(paths[family], False, cache)
-    for k, algorithm in enumerate(ALGORITHMS):
-        for how in ("alone", "batched", "staggered"):
-            prompts, params = workload(algorithm, salt=k)
+    algorithms = list(ALGORITHMS) if family == "SDARForCausalLM" else [
+        "low_confidence_static", "threshold", "joint_threshold"]
+    for k, algorithm in enumerate(algorithms):
+        for how in ("alone", "batched", "staggered") if k < 3 else ("batched", "staggered"):
+            prompts, params = workload(algorithm, k, merged.engine.block_size)
             clear(merged, separate)
             got, want = run(merged, prompts, params, how), run(separate, prompts, params, how)
             assert [g[0] for g in got] == [w[0] for w in want], (algorithm, how)
@@ -140,9 +144,12 @@ def test_mixed_batches_of_merged_and_plain_rows(paths) -> None:
 
 @pytest.mark.parametrize("family", ["SDARForCausalLM", "granite-h-bd"])
 def test_overlap_schedule_gives_the_same_tokens(paths, family) -> None:
-    """Under the overlap schedule a resolved block's commit is the forward already queued
-    on it (the separate path); merged or not, the tokens are those of the plain schedule."""
-    for algorithm in ("low_confidence_static", "threshold", "joint_threshold"):
+    """Under the overlap schedule the host learns that a block resolved a step late, when
+    the next forward on it is queued already: that forward is its commit (the separate
+    path), unless the algorithm's fixed schedule ends at the step in flight — then the next
+    forward is the merged row, built before the result is read. Either way the tokens are
+    those of the plain schedule with separate commits."""
+    for algorithm in ("low_confidence_static", "sequential", "threshold", "joint_threshold"):
         prompts, params = workload(algorithm)
         want = run(engine(paths[family], False), prompts, params, "staggered")
         for merged in (True, False):
@@ -150,6 +157,11 @@ def test_overlap_schedule_gives_the_same_tokens(paths, family) -> None:
             clear(llm)
             got = run(llm, prompts, params, "staggered")
             assert [g[0] for g in got] == [w[0] for w in want], (algorithm, merged)
+            merges = sum(g[3] for g in got)
+            if merged and algorithm in ("low_confidence_static", "sequential"):
+                assert merges > 0
+            elif not merged or algorithm == "joint_threshold":
+                assert merges == 0
 
 
 def test_one_token_per_step_saves_one_forward_a_block(paths) -> None:
@@ -158,16 +170,17 @@ def test_one_token_per_step_saves_one_forward_a_block(paths) -> None:
     p = prompt(8, 3)  # two full prompt blocks: one prefill forward
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True,
                         dllm={"algorithm": "low_confidence_static", "steps_per_block": 4})
-    outs = {}
-    for merged in (True, False):
-        llm = engine(paths["SDARForCausalLM"], merged, cache=False)
-        outs[merged] = llm.generate(p, sp)[0]
-    new, old = outs[True], outs[False]
-    assert new.token_ids == old.token_ids and len(new.token_ids) == 16
-    assert old.num_forward_passes == 1 + 4 * 4 + 3
-    assert new.num_forward_passes == 1 + 4 * 4
-    assert new.num_denoise_forwards == old.num_denoise_forwards == 16
-    assert new.num_commit_forwards == 0 and old.num_commit_forwards == 3
+    for overlap in (False, True):
+        outs = {}
+        for merged in (True, False):
+            llm = engine(paths["SDARForCausalLM"], merged, cache=False, overlap=overlap)
+            outs[merged] = llm.generate(p, sp)[0]
+        new, old = outs[True], outs[False]
+        assert new.token_ids == old.token_ids and len(new.token_ids) == 16
+        assert old.num_forward_passes == 1 + 4 * 4 + 3
+        assert new.num_forward_passes == 1 + 4 * 4
+        assert new.num_denoise_forwards == old.num_denoise_forwards == 16
+        assert new.num_commit_forwards == 0 and old.num_commit_forwards == 3
 
 
 def test_fast_dllm_v2_keeps_its_commit_pass(paths) -> None:

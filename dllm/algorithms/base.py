@@ -178,6 +178,13 @@ class UnmaskingAlgorithm(ABC):
     # its own (``dllm.block_diffusion``: no merged commit).
     edits: ClassVar[bool] = False
 
+    def surely_done(self, config: Mapping[str, Any], step: int) -> bool:
+        """Whether the block is done after denoise step ``step`` (counted from 0) whatever
+        the logits, known on the host from the validated ``config`` alone (a fixed schedule's
+        last step). The overlap schedule merges a block's commit into the next block's first
+        step only then (``dllm.block_diffusion``). Default: never known."""
+        return False
+
     def validate(self, config: Mapping[str, Any], block_size: int) -> dict:
         """Merge ``config`` over ``defaults`` and check it; ValueError names the bad key.
 
