@@ -63,8 +63,12 @@ def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams], staggered: 
     e.check_memory()
     e.clear_prefix_cache()  # the prefix cache's pages, freed
     assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
-    outs = [(r.output_ids, r.num_forward_passes, r.num_denoise_forwards,
-             r.num_commit_forwards, r.num_blocks_committed, r.finish_reason) for r in reqs]
+    # Counted as with separate commits: the plain schedule merges every commit into the next
+    # block's first step, the overlap schedule only those it is sure of (one forward fewer
+    # each); every commit happens exactly once either way.
+    outs = [(r.output_ids, r.num_forward_passes + r.num_merged_commits, r.num_denoise_forwards,
+             r.num_commit_forwards + r.num_merged_commits, r.num_blocks_committed,
+             r.finish_reason) for r in reqs]
     return outs, sum(carried)
 
 
