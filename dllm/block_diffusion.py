@@ -6,13 +6,29 @@ current block of every request past its prefill (denoise rows and commit rows si
 A request whose block resolves leaves the denoise rows at once; the next step it runs the
 commit forward, then starts its next block.
 
+Merged commit (the default; ``EngineConfig.merged_commit``): the commit forward and the next
+block's first denoise step are one row of 2·B query tokens at the resolved block's start,
+under the block-causal mask: the first block (its final tokens) sees only the prefix and
+itself and writes its KV, the second (all masks) sees the prefix, the first block's KV of
+the same layer and itself — the same keys, values and logits as the two forwards it
+replaces, one forward fewer per block. Its logits are asked for the last B tokens only
+(``LogitsMode.BLOCK``); the post-step denoises those. A request that ends inside a block
+needs no commit at all (its KV would never be read: the prefix cache inserts a generated
+block only once its commit ran). Not merged: shifted-logits models (the commit pass reads
+the next block's first token) and algorithms that edit a filled block (``joint_threshold``:
+``UnmaskingAlgorithm.edits``), which keep the separate commit forward.
+
 Overlapped scheduling (the engine applies a step's result after queueing the next step): a
 row whose result is still in flight continues from that result on the device (its input
 tokens are the in-flight output row, ``ScheduledBatch.carry``; its algorithm state is the
 in-flight state). A block that resolved is then denoised once more before the host knows: that
 forward over the final tokens is exactly its commit forward, and the next block starts the step
 after the host reads the resolution, as without overlap. Shifted-logits models wait for the
-commit's result (it holds the next block's first token): one step more per block.
+commit's result (it holds the next block's first token): one step more per block. With merged
+commits, a row built while the forward in flight on its block is *sure* to finish it (the
+algorithm's fixed schedule ends at that step: ``UnmaskingAlgorithm.surely_done``) is the
+merged row already, its first block carried from that forward's output; otherwise the
+commit stays the forward queued on the resolved block, as described above.
 
 Memory for a request's whole reserved length is taken at admission, so a running request never
 waits for memory and never fails for it.
@@ -35,7 +51,8 @@ Hybrid models (a recurrent state, DESIGN §6): each request holds one committed 
 state after its committed tokens. A prompt prefill row reads and writes it (the SSM runs
 causally over the chunk); a denoise row reads it and writes slot 0 (nothing: every step is
 re-run from the committed state); the commit forward of a resolved block writes it (the state
-after the block's final tokens). Under the overlap schedule a row built while the forward
+after the block's final tokens). A merged row writes the state after its first block
+(``ScheduledBatch.state_split``) and runs its second from that state, discarding the result. Under the overlap schedule a row built while the forward
 before it on the same block is in flight may be that block's commit forward or one more
 denoise step, which only the device knows: it writes the committed slot gated by the in-flight
 row's done flag (``ScheduledBatch.state_write_gate``). The next block's first denoise step is
