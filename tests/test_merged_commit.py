@@ -262,3 +262,36 @@ def test_opt_out_flag_is_on_the_command_line() -> None:
     add_engine_args(p)
     assert engine_config_from_args(p.parse_args([])).merged_commit is True
     assert engine_config_from_args(p.parse_args(["--disable-merged-commit"])).merged_commit is False
+
+
+def _sdar_and_llada2_vectors() -> list:
+    from tests import test_refvectors_llada2 as llada2
+    from tests import test_refvectors_sdar as sdar
+
+    return [(sdar, v) for v in sdar.VECTORS] + [(llada2, v) for v in llada2.VECTORS]
+
+
+@pytest.mark.parametrize("case", _sdar_and_llada2_vectors(),
+                         ids=lambda c: c[1]["name"])
+def test_reference_vectors_with_merged_commits(case) -> None:
+    """The SDAR and LLaDA2 reference vectors (the official generators' tokens), replayed with
+    merged commits (``tests/refvector_replay`` runs them with separate commits, as the
+    references do): the same tokens, alone and in one batch; SDAR's forwards are the
+    reference's prefill + denoise + store forwards less the final block's store and less
+    one per merged commit."""
+    from tests.refvector_replay import check_outputs, get_llm
+
+    module, vector = case
+    replay = module.replay_of(vector)
+    llm = get_llm(vector, {**replay.engine_args, "merged_commit": True})
+    assert llm.engine.scheduler.merged_commit
+    outs = [llm.generate([p], [sp])[0] for p, sp in zip(replay.prompts, replay.params,
+                                                        strict=True)]
+    check_outputs(outs, replay, vector["name"])
+    check_outputs(llm.generate(replay.prompts, replay.params), replay, vector["name"])
+    if module.__name__.endswith("sdar"):
+        reqs = [f["prefill"] + f["denoise"] + f["store"] - 1 for f in vector["row_forwards"]]
+        merged = [o.num_blocks - 1 - o.num_commit_forwards for o in outs]
+        assert [o.num_forward_passes for o in outs] == [
+            r - m for r, m in zip(reqs, merged, strict=True)]
+        assert all(o.num_commit_forwards == 0 for o in outs)
