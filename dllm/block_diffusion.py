@@ -6,13 +6,29 @@ current block of every request past its prefill (denoise rows and commit rows si
 A request whose block resolves leaves the denoise rows at once; the next step it runs the
 commit forward, then starts its next block.
 
+Merged commit (the default; ``EngineConfig.merged_commit``): the commit forward and the next
+block's first denoise step are one row of 2·B query tokens at the resolved block's start,
+under the block-causal mask: the first block (its final tokens) sees only the prefix and
+itself and writes its KV, the second (all masks) sees the prefix, the first block's KV of
+the same layer and itself — the same keys, values and logits as the two forwards it
+replaces, one forward fewer per block. Its logits are asked for the last B tokens only
+(``LogitsMode.BLOCK``); the post-step denoises those. A request that ends inside a block
+needs no commit at all (its KV would never be read: the prefix cache inserts a generated
+block only once its commit ran). Not merged: shifted-logits models (the commit pass reads
+the next block's first token) and algorithms that edit a filled block (``joint_threshold``:
+``UnmaskingAlgorithm.edits``), which keep the separate commit forward.
+
 Overlapped scheduling (the engine applies a step's result after queueing the next step): a
 row whose result is still in flight continues from that result on the device (its input
 tokens are the in-flight output row, ``ScheduledBatch.carry``; its algorithm state is the
 in-flight state). A block that resolved is then denoised once more before the host knows: that
 forward over the final tokens is exactly its commit forward, and the next block starts the step
 after the host reads the resolution, as without overlap. Shifted-logits models wait for the
-commit's result (it holds the next block's first token): one step more per block.
+commit's result (it holds the next block's first token): one step more per block. With merged
+commits, a row built while the forward in flight on its block is *sure* to finish it (the
+algorithm's fixed schedule ends at that step: ``UnmaskingAlgorithm.surely_done``) is the
+merged row already, its first block carried from that forward's output; otherwise the
+commit stays the forward queued on the resolved block, as described above.
 
 Memory for a request's whole reserved length is taken at admission, so a running request never
 waits for memory and never fails for it.
@@ -35,7 +51,8 @@ Hybrid models (a recurrent state, DESIGN §6): each request holds one committed 
 state after its committed tokens. A prompt prefill row reads and writes it (the SSM runs
 causally over the chunk); a denoise row reads it and writes slot 0 (nothing: every step is
 re-run from the committed state); the commit forward of a resolved block writes it (the state
-after the block's final tokens). Under the overlap schedule a row built while the forward
+after the block's final tokens). A merged row writes the state after its first block
+(``ScheduledBatch.state_split``) and runs its second from that state, discarding the result. Under the overlap schedule a row built while the forward
 before it on the same block is in flight may be that block's commit forward or one more
 denoise step, which only the device knows: it writes the committed slot gated by the in-flight
 row's done flag (``ScheduledBatch.state_write_gate``). The next block's first denoise step is
@@ -50,6 +67,7 @@ from typing import Any
 
 import torch
 
+from dllm.algorithms import get_algorithm
 from dllm.denoise import (
     DenoisePost,
     config_rows,
@@ -73,9 +91,30 @@ from dllm.scheduler import Row, Scheduler
 class BlockDiffusionScheduler(Scheduler):
     """``logits_shift``: 1 for Fast-dLLM v2 (module docstring)."""
 
-    def __init__(self, *args: Any, logits_shift: int = 0, **kwargs: Any):
+    def __init__(self, *args: Any, logits_shift: int = 0, merged_commit: bool = True,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.logits_shift = logits_shift
+        # Shifted logits read the next block's first token from the commit pass: no merging.
+        self.merged_commit = merged_commit and not logits_shift
+
+    def merges_commit(self, req: Req) -> bool:
+        """Whether ``req``'s resolved block commits inside its next block's first denoise
+        step (module docstring): the host knows the block is final (no forward on it is in
+        flight) and the algorithm never edits a filled block."""
+        return (self.merged_commit and req.inflight == 0
+                and not get_algorithm(req.denoise.algorithm).edits)
+
+    def surely_resolves(self, req: Req, blk: BlockState) -> bool:
+        """Under the overlap schedule: whether the denoise forward in flight on ``blk`` is
+        sure to finish it (its algorithm's fixed schedule ends there), so the next forward
+        may be its merged commit before the host reads the result; and the next block lies
+        inside the request's reservation."""
+        if not (self.merged_commit and req.inflight == 1 and blk.carry is not None
+                and not blk.resolved and blk.start + 2 * req.block_size <= req.reserved_len):
+            return False
+        algo = get_algorithm(req.denoise.algorithm)
+        return not algo.edits and algo.surely_done(req.denoise.algo_config, blk.step - 1)
 
     def match_limit(self, req: Req) -> int:
         """The full prompt blocks (the partial last one is denoised, never cached); with
@@ -156,47 +195,70 @@ class BlockDiffusionScheduler(Scheduler):
             num_initial_masks=b - len(known),
         )
 
+    def _next_block(self, req: Req, blk: BlockState) -> BlockState:
+        """The block after ``blk`` (all masks: the prompt ends inside ``blk`` at the latest),
+        started before the host has read ``blk``'s final tokens."""
+        b = req.block_size
+        req.denoise.block = nxt = BlockState(
+            start=blk.start + b, tokens=[self.config.mask_token_id] * b, editable=[True] * b,
+            num_initial_masks=b)
+        return nxt
+
     def build_denoise(self, reqs: list[Req]) -> ScheduledBatch | None:
-        """One ``DLLM_EXTEND`` row of exactly ``block_size`` tokens per request."""
-        rows: list[tuple[Req, BlockState]] = []
+        """One ``DLLM_EXTEND`` row of ``block_size`` tokens per request, or of twice that
+        for a merged commit (a resolved block's final tokens, then the next block)."""
+        rows: list[tuple[Req, BlockState, BlockState | None]] = []
         for req in reqs:
-            blk = req.denoise.block
+            blk, commit = req.denoise.block, None
             if blk is not None and blk.resolved and blk.commit_launched:
                 if self.logits_shift:
                     continue  # the commit's result holds the next block's first token
                 req.denoise.block = blk = None  # its commit forward is queued: the next block starts
+            elif blk is not None and blk.resolved and self.merges_commit(req):
+                commit, blk = blk, None  # committed in this row, before the next block
+            elif blk is not None and self.surely_resolves(req, blk):
+                commit, blk = blk, self._next_block(req, blk)
             if blk is None:
                 if self.logits_shift and req.inflight:
                     continue  # the prefill's result holds the block's first token
                 self._start_block(req)
                 blk = req.denoise.block
-            rows.append((req, blk))
+            rows.append((req, blk, commit))
         if not rows:
             return None
+        merged = any(commit is not None for _, _, commit in rows)
+        b = self.config.block_size
         batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
-                               kind=StepKind.DENOISE, block_size=self.config.block_size,
-                               logits_mode=LogitsMode.ALL)
+                               kind=StepKind.DENOISE, block_size=b,
+                               logits_mode=LogitsMode.BLOCK if merged else LogitsMode.ALL)
         editable: list[bool] = []
         carry = Carry()
         gates: list[torch.Tensor | None] = []
-        for req, blk in rows:
-            batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
+        for req, blk, commit in rows:
+            if commit is None:
+                batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
+            else:  # block-causal: the first block sees only itself, the next sees both
+                batch.add_row(req.rid, req.req_pool_idx, commit.tokens + blk.tokens,
+                              commit.start)
+                editable += [False] * b
+            if merged:
+                batch.state_split.append(b if commit is not None else 0)
             batch.row_groups.append(req.denoise.algorithm)
-            batch.rows.append(Row(req, blk))
             editable += blk.editable  # bools: the registry stores them as 0/1
-            # In flight on this block: its input is that forward's output, on the device.
-            carried = blk.carry if req.inflight else None
+            # In flight on this block: its input is that forward's output, on the device (a
+            # merged row's first block, when the forward finishing it is in flight).
+            carried = (blk if commit is None else commit).carry if req.inflight else None
             carry.add(carried)
-            gate, track = self._add_state(batch, req, blk, carried is not None)
+            gate, track = self._add_state(batch, req, blk, carried is not None, commit)
             gates.append(gate)
-            batch.rows[-1] = Row(req, blk, track)
-        reqs = [req for req, _ in rows]
+            batch.rows.append(Row(req, blk, track, commit))
+        reqs = [req for req, _, _ in rows]
         if (top := trace_top(reqs)) is not None:  # a traced batch replays its own graph
             batch.row_groups = [graph_group(g, top) for g in batch.row_groups]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
-            step=[blk.step for _, blk in rows],
-            num_initial_masks=[blk.num_initial_masks for _, blk in rows],
+            step=[blk.step for _, blk, _ in rows],
+            num_initial_masks=[blk.num_initial_masks for _, blk, _ in rows],
             **sampling_rows(reqs),
             **config_rows(reqs),
         )
@@ -207,13 +269,17 @@ class BlockDiffusionScheduler(Scheduler):
             batch.state_write_gate = torch.stack([one if g is None else g for g in gates])
         return batch
 
-    def _add_state(self, batch: ScheduledBatch, req: Req, blk: BlockState,
-                   carried: bool) -> tuple[torch.Tensor | None, int]:
+    def _add_state(self, batch: ScheduledBatch, req: Req, blk: BlockState, carried: bool,
+                   commit: BlockState | None = None) -> tuple[torch.Tensor | None, int]:
         """A hybrid denoise row's state slots (module docstring); returns its write gate
         (None: the host knows whether it writes) and its track slot (a commit forward ending
         on the track grid also snapshots the state for the prefix cache; 0: none)."""
         if req.state_slot is None:
             return None, 0
+        if commit is not None:  # merged: the state after the first block (``state_split``)
+            track = self.track_slot(req, commit.start + req.block_size)
+            batch.add_state(req.state_slot, req.state_slot, track)
+            return None, track
         if blk.resolved:  # the commit forward
             track = self.track_slot(req, blk.start + req.block_size)
             batch.add_state(req.state_slot, req.state_slot, track)
@@ -244,6 +310,8 @@ class BlockDiffusionScheduler(Scheduler):
             if req is None:  # finished since the batch was built (a retried launch)
                 continue
             req.inflight += 1
+            if row.commit is not None:
+                row.commit.commit_launched = True
             if blk.resolved:  # the commit forward
                 blk.commit_launched = True
                 continue
@@ -258,8 +326,12 @@ class BlockDiffusionScheduler(Scheduler):
         result = DenoisePost.read(output, trace_top([row.req for row in batch.rows]))
 
         def apply_row(r: int, req: Req) -> bool:
-            blk, track = batch.rows[r].block, batch.rows[r].track
+            blk, track, commit = batch.rows[r].block, batch.rows[r].track, batch.rows[r].commit
             req.num_forward_passes += 1
+            if commit is not None:  # merged: the first block's KV (and state) are final
+                req.num_merged_commits += 1
+                self.cache_prefix(req, commit.start + req.block_size, track)
+                track = 0
             if blk.resolved:  # resolved before this forward: it was the commit forward
                 req.num_commit_forwards += 1
                 # The block's KV (and state) come from its final tokens now: exact.
@@ -273,6 +345,9 @@ class BlockDiffusionScheduler(Scheduler):
                     return True
                 return False
             req.num_denoise_forwards += 1
+            if blk.commit_launched and not result.done[r]:
+                raise RuntimeError("a block sure to resolve did not (its merged commit "
+                                   "was launched)")
             req.track_busy.discard(track)  # gated off: a denoise step after all
             if req.trace is not None:
                 req.trace.record_step(blk.start, req.prompt_len, blk.tokens, result.tokens[r],

@@ -39,6 +39,13 @@ class EngineConfig:
     overlap_schedule: queue each denoise/decode step before reading the previous step's
         result, so host work overlaps the device (the same outputs; ``None``: on CUDA only,
         where the forward runs asynchronously).
+    merged_commit: block diffusion runs a resolved block's commit forward (the forward over
+        its final tokens that writes their KV, and a hybrid's committed state) in the same
+        forward as the next block's first denoise step, one row of 2·block_size tokens under
+        the block-causal mask: one forward fewer per block, the same tokens. Not for
+        shifted-logits models (Fast-dLLM v2 reads the next block's first token from its
+        commit pass) or algorithms that edit a filled block (``joint_threshold``); False:
+        always a separate commit forward.
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
     enable_prefix_cache: reuse the KV (and a hybrid's state) of prompt prefixes other
@@ -132,6 +139,12 @@ class EngineConfig:
         "flag": "--disable-overlap-schedule", "const": False,
         "help": "read each step's result before queueing the next (default on CUDA: the host "
                 "builds the next step while the device runs this one)"})
+
+    merged_commit: bool = field(default=True, metadata={
+        "flag": "--disable-merged-commit", "const": False,
+        "help": "block diffusion: run each block's commit forward as its own forward instead "
+                "of inside the next block's first denoise step (one 2·block-size row; the "
+                "default, one forward fewer per block, the same tokens)"})
 
     enable_prefix_cache: bool = field(default=True, metadata={
         "flag": "--disable-prefix-cache", "const": False,

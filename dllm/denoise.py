@@ -18,7 +18,7 @@ from dllm.algorithms.base import KEY_SPECS, DenoiseInput, SamplingTensors
 from dllm.algorithms.sampling import log_normalizer
 from dllm.models.parallel import map_leading
 from dllm.request import BlockState, DenoiseState, Req
-from dllm.runner.forward_batch import ForwardBatch
+from dllm.runner.forward_batch import ForwardBatch, LogitsMode
 from dllm.runner.input_registry import InputRegistry
 from dllm.trace import RowTrace, trace_width, unpack_row
 
@@ -189,10 +189,12 @@ class DenoisePost:
             # Token i is read from position i-1; position 0 of a block is never masked.
             logits = map_leading(logits, lambda t: torch.cat([t[:, :1], t[:, :-1]], dim=1))
         ex = fb.extras
+        # A merged commit row (``LogitsMode.BLOCK``): the step is over each row's last block.
+        sel = fb.block_token_index if fb.logits_mode is LogitsMode.BLOCK else slice(0, bs * b)
         full = {
-            "tokens": fb.input_ids[: bs * b].view(bs, b),
-            "editable": ex["editable"][: bs * b].view(bs, b).bool(),
-            "positions": fb.positions[: bs * b].view(bs, b),
+            "tokens": fb.input_ids[sel].view(bs, b),
+            "editable": ex["editable"][sel].view(bs, b).bool(),
+            "positions": fb.positions[sel].view(bs, b),
             **{k: v[:bs] for k, v in ex.items() if k not in ("editable",)},
         }
         out_tokens = full["tokens"].clone()

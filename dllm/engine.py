@@ -151,7 +151,8 @@ class Engine:
         if spec.kind == "causal_lm":
             return AutoregressiveScheduler(*args, **kw)
         if spec.kind == "block_diffusion":
-            return BlockDiffusionScheduler(*args, logits_shift=spec.logits_shift, **kw)
+            return BlockDiffusionScheduler(*args, logits_shift=spec.logits_shift,
+                                           merged_commit=cfg.merged_commit, **kw)
         if spec.kind == "full_diffusion":
             return FullDiffusionScheduler(*args, logits_shift=spec.logits_shift)
         raise NotImplementedError(f"{self.info.architecture} ({spec.kind}) is not served yet")

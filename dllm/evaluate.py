@@ -27,11 +27,15 @@ class SettingResult:
     name: str
     dllm: dict[str, Any]
     accuracy: dict[str, float]  # per family, plus "overall"
-    tokens_per_forward: float
-    forwards_per_block: float
+    tokens_per_forward: float  # over denoise forwards
+    forwards_per_block: float  # denoise forwards
     tokens: int
     denoise_forwards: int
     blocks: int
+    # Forwards that only committed a block (a merged commit runs inside the next block's first
+    # denoise step and adds none), and tokens over denoise and those forwards together.
+    commit_forwards: int
+    tokens_per_block_forward: float
     seconds: float
     failures: list[dict[str, str]]  # the first few wrong answers
 
@@ -80,22 +84,27 @@ def evaluate(llm, families: list[str], per_family: int, seed: int,
         accuracy["overall"] = sum(sum(h) for h in hits.values()) / len(items)
         tokens = sum(len(o.token_ids) for o in outs)
         forwards = sum(o.num_denoise_forwards for o in outs)
+        commits = sum(o.num_commit_forwards for o in outs)
         blocks = sum(o.num_blocks for o in outs)
         results.append(SettingResult(
             name=name, dllm=dllm, accuracy=accuracy,
             tokens_per_forward=tokens / max(forwards, 1),
             forwards_per_block=forwards / max(blocks, 1), tokens=tokens,
-            denoise_forwards=forwards, blocks=blocks, seconds=round(seconds, 2),
-            failures=failures))
+            denoise_forwards=forwards, blocks=blocks, commit_forwards=commits,
+            tokens_per_block_forward=tokens / max(forwards + commits, 1),
+            seconds=round(seconds, 2), failures=failures))
     return results
 
 
 def markdown_table(results: list[SettingResult], families: list[str]) -> str:
-    head = ["setting", *families, "overall", "tokens/forward", "forwards/block"]
+    head = ["setting", *families, "overall", "tokens/denoise forward", "forwards/block",
+            "tokens/forward, commits incl.", "commit forwards/block"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [r.name, *(f"{100 * r.accuracy[f]:.1f}" for f in [*families, "overall"]),
-                 f"{r.tokens_per_forward:.2f}", f"{r.forwards_per_block:.2f}"]
+                 f"{r.tokens_per_forward:.2f}", f"{r.forwards_per_block:.2f}",
+                 f"{r.tokens_per_block_forward:.2f}",
+                 f"{r.commit_forwards / max(r.blocks, 1):.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -21,6 +21,9 @@ class RequestOutput:
     prompt_tokens: int
     num_forward_passes: int  # model forwards this request took part in
     num_denoise_forwards: int = 0
+    # block diffusion: forwards that only committed a block (the merged commit runs inside
+    # the next block's first denoise step and adds none)
+    num_commit_forwards: int = 0
     num_blocks: int = 0
     error: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -35,7 +38,8 @@ class RequestOutput:
             rid=req.rid, text=text, token_ids=list(req.output_ids),
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=req.prompt_len, num_forward_passes=req.num_forward_passes,
-            num_denoise_forwards=req.num_denoise_forwards, num_blocks=req.num_blocks_committed,
+            num_denoise_forwards=req.num_denoise_forwards,
+            num_commit_forwards=req.num_commit_forwards, num_blocks=req.num_blocks_committed,
             error=req.error, prompt_token_ids=list(req.prompt_ids),
             cached_tokens=req.cached_tokens,
             logprobs=(list(req.trace.logprobs) if req.trace is not None

@@ -141,7 +141,8 @@ class Req:
     inflight: int = 0
     num_forward_passes: int = 0
     num_denoise_forwards: int = 0
-    num_commit_forwards: int = 0
+    num_commit_forwards: int = 0  # forwards that only committed a block (no denoise step)
+    num_merged_commits: int = 0  # commits run inside the next block's first denoise step
     num_blocks_committed: int = 0
     # Per-row numbers of its sampling and algorithm settings (``dllm.denoise``), computed at
     # the first step: they never change while the request runs.

@@ -32,6 +32,10 @@ class Row:
     req: Req
     block: BlockState | None = None
     track: int = 0  # the track slot the row writes its state into (0: none)
+    # A merged commit row: the resolved block whose final tokens the row's first half runs
+    # (its KV, and a hybrid's committed state, are written there); ``block`` is the next
+    # block, whose first denoise step the second half is.
+    commit: BlockState | None = None
 
 
 @dataclass(frozen=True)

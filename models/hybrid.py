@@ -46,8 +46,12 @@ class Mamba2Layer(Mamba2Mixer):
         conv_pool, ssm_pool = pool.layer(self.state_index)
         read, write = batch.state_read_slots, batch.state_write_slots
         conv, ssm = conv_pool[read], ssm_pool[read]
+        split = getattr(batch, "state_split_cpu", None)
         if batch.is_decode:
             out, conv, ssm = self.decode(hidden, conv, ssm)
+        elif split is not None:
+            out, conv, ssm = self._split_rows(hidden, conv, ssm, batch.extend_lens_cpu, split,
+                                              (conv_pool.dtype, ssm_pool.dtype))
         else:
             out, conv, ssm = self(hidden, conv, ssm, batch.extend_lens_cpu)
         conv, ssm = conv.to(conv_pool.dtype), ssm.to(ssm_pool.dtype)
@@ -58,6 +62,37 @@ class Mamba2Layer(Mamba2Mixer):
             conv_pool.index_copy_(0, track, conv)
             ssm_pool.index_copy_(0, track, ssm)
         return out
+
+
+    def _split_rows(self, hidden: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                    lens: list[int], split: list[int], dtypes: tuple[torch.dtype, torch.dtype]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows whose state is kept after their first ``split[r]`` tokens (0: after the whole
+        row): those tokens run first, from the read state, and give the state returned; the
+        rest of the row (a merged commit row's denoise block) continues from it and its
+        state is dropped. Exactly the two forwards such a row replaces: the rest starts from
+        the state as the pool (``dtypes``) would hold it. Host slicing only."""
+        starts = [sum(lens[:r]) for r in range(len(lens))]
+        head = [n if k == 0 else k for n, k in zip(lens, split, strict=True)]
+        first = torch.cat([hidden[s : s + h] for s, h in zip(starts, head, strict=True)])
+        y1, conv1, ssm1 = self(first, conv, ssm, head)
+        tails = [r for r, k in enumerate(split) if 0 < k < lens[r]]
+        parts: list[torch.Tensor] = []
+        offs = [sum(head[:r]) for r in range(len(head))]
+        y2 = None
+        if tails:
+            rest = torch.cat([hidden[starts[r] + head[r] : starts[r] + lens[r]] for r in tails])
+            y2, _, _ = self(rest, torch.cat([conv1[r : r + 1] for r in tails]).to(dtypes[0]),
+                            torch.cat([ssm1[r : r + 1] for r in tails]).to(dtypes[1]),
+                            [lens[r] - head[r] for r in tails])
+        at = 0
+        for r in range(len(lens)):
+            parts.append(y1[offs[r] : offs[r] + head[r]])
+            if r in tails:
+                n = lens[r] - head[r]
+                parts.append(y2[at : at + n])
+                at += n
+        return torch.cat(parts), conv1, ssm1
 
 
 class HybridLM(UsesOps, nn.Module):

@@ -100,7 +100,9 @@ class CudaGraphRunner(Runner):
                 or batch.batch_size > self.sizes[-1]):
             return False
         if batch.mode is ForwardMode.DLLM_EXTEND:
-            return len(set(batch.row_groups)) == 1 and batch.block_size == self.block_size
+            # Whole blocks only: a merged commit row (2·block_size tokens) runs eagerly.
+            return (len(set(batch.row_groups)) == 1 and batch.block_size == self.block_size
+                    and all(n == self.block_size for n in batch.extend_lens))
         return True
 
     def load_batch(self, batch: ScheduledBatch) -> ForwardBatch:

@@ -22,7 +22,9 @@ class ForwardMode(enum.Enum):
     """What kind of forward pass a batch is (DESIGN §3)."""
 
     EXTEND = "extend"  # ragged prefill: prompts, AR prefill, embeddings, exact full recompute
-    DLLM_EXTEND = "dllm_extend"  # one denoise (or commit) step over exactly block_size tokens/row
+    # One denoise (or commit) step: block_size tokens a row, or 2·block_size for a merged
+    # commit (a resolved block's final tokens, then the next block's first denoise step).
+    DLLM_EXTEND = "dllm_extend"
     DECODE = "decode"  # one token per request, causal over the cache
     IDLE = "idle"  # no requests on this rank; still joins collectives
 
@@ -43,6 +45,9 @@ class AttentionMask(enum.Enum):
 class LogitsMode(enum.Enum):
     ALL = "all"  # logits for every query token (denoise steps)
     LAST = "last"  # logits for the last query token of each request (AR prefill)
+    # logits for the last ``block_size`` query tokens of each request: a denoise batch with a
+    # merged commit row, whose first block only writes its KV
+    BLOCK = "block"
     NONE = "none"  # hidden states only (prompt prefill of a dLLM, embeddings)
 
 
@@ -97,6 +102,11 @@ class ForwardBatch:
     # that matters, the padding slot). None when no row of the batch tracks (and the mode is
     # not one a CUDA graph captures with them).
     state_track_slots: torch.Tensor | None = None  # [bs] int64
+    # Per row, the leading query tokens after which the row's state is written (0: the whole
+    # row). A merged commit row writes the state after its first block (the committed state)
+    # and discards the state after the rest (its denoise step's). Host list, like
+    # ``extend_lens_cpu``; None when no row splits.
+    state_split_cpu: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -118,6 +128,14 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """[bs] index into the token axis of each request's last query token."""
         return torch.cumsum(self.extend_lens, dim=0) - 1
+
+    @property
+    def block_token_index(self) -> torch.Tensor:
+        """[bs * block_size] index into the token axis of each request's last ``block_size``
+        query tokens (``LogitsMode.BLOCK``), on the device."""
+        ends = torch.cumsum(self.extend_lens, dim=0) - self.block_size
+        offs = torch.arange(self.block_size, device=ends.device)
+        return (ends[:, None] + offs[None, :]).reshape(-1)
 
 
 class StepKind(str, enum.Enum):
@@ -176,6 +194,9 @@ class ScheduledBatch(Generic[RowT]):
     # The prefix cache's track slot of each row (0: none): a row that ends on the track grid
     # also writes the state after it there, in the same forward (DESIGN §6).
     state_track_slots: list[int] = field(default_factory=list)
+    # ``ForwardBatch.state_split_cpu``: per row, the leading tokens after which its state is
+    # written (0: the whole row); empty when no row splits.
+    state_split: list[int] = field(default_factory=list)
     # Overlapped scheduling over a hybrid: ``[bs]`` int64 0/1 on the device, or None. Row i
     # writes its state to ``state_write_slots[i]`` only where the gate is 1, else to slot 0
     # (a block-diffusion row whose block may have resolved in the forward still in flight:
@@ -239,6 +260,7 @@ class ScheduledBatch(Generic[RowT]):
             state_read_slots=self.state_read_slots[i : i + 1],
             state_write_slots=self.state_write_slots[i : i + 1],
             state_track_slots=self.state_track_slots[i : i + 1],
+            state_split=self.state_split[i : i + 1],
             state_write_gate=(None if self.state_write_gate is None
                               else self.state_write_gate[i : i + 1]),
             rows=self.rows[i : i + 1],

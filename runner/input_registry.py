@@ -132,17 +132,25 @@ class InputRegistry:
     @staticmethod
     def _check_carry(batch: ScheduledBatch) -> None:
         width = batch.carry.shape[1]
-        if "carry_row" not in batch.row_inputs or batch.num_tokens != batch.batch_size * width:
+        if "carry_row" not in batch.row_inputs or any(n < width for n in batch.extend_lens):
             raise ValueError("a carried batch needs a carry_row per row and "
-                             f"{width} tokens in every row")
+                             f"at least {width} tokens in every row")
 
     def _gather_carry(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
-        """Rows with a ``carry_row`` take their input ids from ``batch.carry`` (on the device,
+        """Rows with a ``carry_row`` take their first ``width`` input ids (all of them but in
+        a merged commit row, which is never carried) from ``batch.carry`` (on the device,
         after the host values landed: the copy and this gather are stream-ordered)."""
         bs, width = batch.batch_size, batch.carry.shape[1]
         src = self.buffers["carry_row"][:bs]
-        ids = input_ids[: bs * width].view(bs, width)
-        ids.copy_(torch.where((src >= 0)[:, None], batch.carry[src.clamp(min=0)], ids))
+        if batch.num_tokens == bs * width:
+            ids = input_ids[: bs * width].view(bs, width)
+            ids.copy_(torch.where((src >= 0)[:, None], batch.carry[src.clamp(min=0)], ids))
+            return
+        lens = self.buffers["extend_lens"][:bs]
+        at = ((torch.cumsum(lens, 0) - lens)[:, None]
+              + torch.arange(width, device=lens.device)[None, :])  # [bs, width]
+        ids = input_ids[at]
+        input_ids[at] = torch.where((src >= 0)[:, None], batch.carry[src.clamp(min=0)], ids)
 
     def _staged_on_device(self, batch: ScheduledBatch, views: dict[str, torch.Tensor],
                           req_to_token: torch.Tensor, loc: bool) -> bool:
@@ -261,4 +269,6 @@ class InputRegistry:
             state_track_slots=(self.buffers["state_track_slots"][:pbs]
                                if batch.mode is ForwardMode.DLLM_EXTEND
                                or any(batch.state_track_slots) else None),
+            state_split_cpu=(batch.state_split + [0] * pad_rows
+                             if any(batch.state_split) else None),
         )

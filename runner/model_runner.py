@@ -279,6 +279,8 @@ class ModelRunner:
             return hidden, None
         if fb.logits_mode is LogitsMode.LAST:
             return hidden, self.model.compute_logits(hidden[fb.last_token_index])
+        if fb.logits_mode is LogitsMode.BLOCK:
+            return hidden, self.model.compute_logits(hidden[fb.block_token_index])
         return hidden, self.model.compute_logits(hidden)
 
 

@@ -64,7 +64,11 @@ def checkpoint_for(vector: dict[str, Any]) -> Path:
 
 @cache
 def engine_for(path: Path, engine_args_json: str) -> LLM:
-    return LLM(str(path), device="cpu", dtype="float32", **json.loads(engine_args_json))
+    """Separate commit forwards unless the args say otherwise: the references run one store
+    forward per block, and the forward counts are compared with theirs
+    (``tests/test_merged_commit.py`` replays the vectors with merged commits)."""
+    args = {"merged_commit": False, **json.loads(engine_args_json)}
+    return LLM(str(path), device="cpu", dtype="float32", **args)
 
 
 def get_llm(vector: dict[str, Any], engine_args: dict[str, Any]) -> LLM:

@@ -260,8 +260,10 @@ def test_num_forward_passes_and_token_ids(llm):
         max_new_tokens=8, ignore_eos=True,
         dllm={"algorithm": "low_confidence_static", "steps_per_block": 4}))[0]
     # Prompt = 2 full blocks (one prefill forward); 2 blocks of 4 denoise steps; the first
-    # block needs a commit forward, the last ends the request and needs none.
-    assert out.num_forward_passes == 1 + 4 + 1 + 4
+    # block's commit runs inside the second block's first step (merged), the last ends the
+    # request and needs none.
+    assert out.num_forward_passes == 1 + 4 + 4
+    assert out.num_commit_forwards == 0
     assert out.num_denoise_forwards == 8
     assert len(out.token_ids) == 8
 

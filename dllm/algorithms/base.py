@@ -173,6 +173,17 @@ class UnmaskingAlgorithm(ABC):
     name: ClassVar[str]
     defaults: ClassVar[dict[str, int | float | bool | str]]
     state_keys: ClassVar[tuple[str, ...]] = ()
+    # Whether the algorithm may change a mask-free block's tokens (token editing): the block
+    # is final only when a step's output says so, so its commit forward stays a forward of
+    # its own (``dllm.block_diffusion``: no merged commit).
+    edits: ClassVar[bool] = False
+
+    def surely_done(self, config: Mapping[str, Any], step: int) -> bool:
+        """Whether the block is done after denoise step ``step`` (counted from 0) whatever
+        the logits, known on the host from the validated ``config`` alone (a fixed schedule's
+        last step). The overlap schedule merges a block's commit into the next block's first
+        step only then (``dllm.block_diffusion``). Default: never known."""
+        return False
 
     def validate(self, config: Mapping[str, Any], block_size: int) -> dict:
         """Merge ``config`` over ``defaults`` and check it; ValueError names the bad key.

@@ -41,6 +41,7 @@ class JointThreshold(UnmaskingAlgorithm):
     name = "joint_threshold"
     defaults = {"threshold": 0.7, "edit_threshold": 0.5, "max_post_edit_steps": 16}
     state_keys = ("post_edit_steps",)
+    edits = True
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)

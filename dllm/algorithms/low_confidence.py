@@ -3,6 +3,9 @@ SDAR's sequential order."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -41,7 +44,15 @@ def schedule_done(x: DenoiseInput, masked_after: Tensor) -> Tensor:
     return torch.where(x.config["all_steps"], last, empty | last)
 
 
-class LowConfidenceStatic(UnmaskingAlgorithm):
+class _Scheduled(UnmaskingAlgorithm):
+    """The algorithms of ``step_quota``'s schedule: the block ends at its last scheduled step
+    at the latest (``schedule_done``)."""
+
+    def surely_done(self, config: Mapping[str, Any], step: int) -> bool:
+        return step + 1 >= config["steps_per_block"]
+
+
+class LowConfidenceStatic(_Scheduled):
     """Fixed quota per step, highest confidence first.
 
     Reference: LLaDA ``generate.py`` (``get_num_transfer_tokens``, ``low_confidence`` /
@@ -90,7 +101,7 @@ def _finish_scheduled(x: DenoiseInput, x0: Tensor, transfer: Tensor, masked: Ten
     return out
 
 
-class LowConfidenceDynamic(UnmaskingAlgorithm):
+class LowConfidenceDynamic(_Scheduled):
     """Every masked position whose confidence is above ``threshold`` when at least the
     quota of them are, otherwise the top-quota.
 
@@ -121,7 +132,7 @@ class LowConfidenceDynamic(UnmaskingAlgorithm):
         return _finish_scheduled(x, sample.x0, transfer, masked, sample.confidence)
 
 
-class Sequential(UnmaskingAlgorithm):
+class Sequential(_Scheduled):
     """The quota of masked positions nearest the block start, left to right.
 
     Reference: SDAR ``generate.py`` (``remasking_strategy="sequential"``: the

@@ -16,7 +16,8 @@ One plan per forward, reused by every layer:
   ``extend_len`` keys of their sequence);
 - ``EXTEND`` with ``FULL``: ``causal=False`` (also the dual cache, whose keys run past the
   queries);
-- ``EXTEND`` with ``BLOCK_CAUSAL`` over several prompt blocks: a custom mask, built on the
+- ``EXTEND`` with ``BLOCK_CAUSAL`` over several prompt blocks, and a ``DLLM_EXTEND`` batch with
+  a merged commit row (a finished block and the next one): a custom mask, built on the
   device from cache indices;
 - ``DECODE`` without Triton: the batch-decode kernel.
 
@@ -185,9 +186,10 @@ class FlashInferBackend(AttentionBackend):
         mask = None
         causal = fb.attention_mask is AttentionMask.CAUSAL
         qo_indptr, kv_indptr, last = table.qo_indptr, table.kv_indptr, table.kv_last_page_len
-        if fb.attention_mask is AttentionMask.BLOCK_CAUSAL and fb.mode is not ForwardMode.DLLM_EXTEND:
-            # Multi-block prompt prefill: FlashInfer packs the custom mask on the device and
-            # wants the indptr arrays there (a prompt prefill is never graph-captured).
+        if fb.attention_mask is AttentionMask.BLOCK_CAUSAL and not _whole_blocks(fb):
+            # Multi-block prompt prefill, or a denoise batch with a merged commit row (its
+            # first block must not see its second): FlashInfer packs the custom mask on the
+            # device and wants the indptr arrays there (such a batch is never graph-captured).
             mask = block_causal_mask(fb)
             qo_indptr, kv_indptr, last = (t.to(self.device) for t in (qo_indptr, kv_indptr, last))
         self.prefill.plan(qo_indptr, kv_indptr, table.kv_indices,
