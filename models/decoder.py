@@ -163,8 +163,10 @@ class DecoderLayer(nn.Module):
         return self.dp.run_mlp(self.mlp, h), residual
 
     def idle(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """An ``IDLE`` forward's part in this layer: no rows, but the MLP's collectives."""
-        self.dp.run_mlp(self.mlp, torch.empty(0, hidden_size, dtype=dtype, device=device))
+        """This layer's MLP collectives without its rows: zeros of the count this rank
+        announced for the forward (0 in an ``IDLE`` forward; a failed forward's rows)."""
+        rows = self.dp.counts[self.dp.rank]
+        self.dp.run_mlp(self.mlp, torch.zeros(rows, hidden_size, dtype=dtype, device=device))
 
 
 class DecoderModel(nn.Module):

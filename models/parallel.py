@@ -102,7 +102,12 @@ class DataParallel:
     ``counts`` is every rank's token count in the forward now running, exchanged once per
     forward on the host (``exchange``) over ``cpu_group`` (a Gloo group; None: the default
     group, Gloo on CPU), so no layer reads a device value. A rank with no rows (an ``IDLE``
-    forward, count 0) still joins each layer's gather and the MLP's collectives."""
+    forward, count 0) still joins each layer's gather and the MLP's collectives.
+
+    ``stage`` follows the forward now running (``begin`` → "started", ``exchange`` → "open",
+    ``close`` → "done") and ``layers_done`` its MLPs that have run, so that a forward that
+    fails part way can still take part in the collectives its peers run (the runner's
+    ``finish_failed``)."""
 
     def __init__(self, rank: int = 0, size: int = 1, mlp: TensorParallel | None = None,
                  cpu_group: object | None = None):
@@ -110,6 +115,13 @@ class DataParallel:
         self.mlp = mlp if mlp is not None else TensorParallel()
         self.cpu_group = cpu_group
         self.counts: list[int] = [0] * size
+        self.stage, self.layers_done = "done", 0
+
+    def begin(self) -> None:
+        self.stage = "started"
+
+    def close(self) -> None:
+        self.stage = "done"
 
     def exchange(self, tokens: int) -> list[int]:
         """Every rank's token count for the forward about to run (a collective: every rank
@@ -121,6 +133,7 @@ class DataParallel:
             self.counts = out.tolist()
         else:
             self.counts = [tokens]
+        self.stage, self.layers_done = "open", 0
         return self.counts
 
     def run_mlp(self, mlp: Callable[[torch.Tensor], torch.Tensor],
@@ -138,7 +151,9 @@ class DataParallel:
         ranks = all_gather_stack(padded, self.mlp)  # [size, most, H]
         rows = torch.cat([ranks[r, :n] for r, n in enumerate(counts)])
         start = sum(counts[: self.rank])
-        return mlp(rows)[start : start + counts[self.rank]]
+        out = mlp(rows)[start : start + counts[self.rank]]
+        self.layers_done += 1
+        return out
 
 
 _DP = DataParallel()

@@ -288,18 +288,39 @@ class ModelRunner:
                 and len(batch.state_read_slots) != batch.batch_size):
             raise ValueError("a batch of a hybrid model needs the state slots of every row")
         runner = next(r for r in self.runners if r.can_run(batch))
-        return runner.execute(runner.load_batch(batch), post)
+        if self.dp.size == 1:
+            return runner.execute(runner.load_batch(batch), post)
+        self.dp.begin()
+        try:
+            return runner.execute(runner.load_batch(batch), post)
+        except Exception:
+            self.join_peers()  # a failed forward: its peers' collectives still line up
+            raise
+
+    def join_peers(self) -> None:
+        """Data-parallel attention: take part, with zero rows, in the collectives the peers
+        still run in this forward — the count exchange if this rank has not reached it, then
+        the MLPs of the layers it has not run. An ``IDLE`` forward is all of it; a forward
+        that failed part way is the rest of it, so every rank's next collective is the same
+        one (a failure inside one MLP, between its gather and its all-reduce, cannot be lined
+        up so)."""
+        dp = self.dp
+        if dp.stage == "done":
+            return
+        if dp.stage == "started":
+            dp.exchange(0)
+        layers = [m for m in self.model.modules() if isinstance(m, DecoderLayer)]
+        for layer in layers[dp.layers_done:]:
+            layer.idle(self.model.attn_spec.hidden_size, self.config.dtype, self.device)
+        dp.close()
 
     def run_idle(self) -> None:
         """An ``IDLE`` forward: under data-parallel attention, zero rows through every layer's
         MLP collectives (the peers' rows still pass through this rank's experts); else
         nothing."""
-        if self.dp.size == 1:
-            return
-        self.dp.exchange(0)
-        for layer in self.model.modules():  # in layer order, the same on every rank
-            if isinstance(layer, DecoderLayer):
-                layer.idle(self.model.attn_spec.hidden_size, self.config.dtype, self.device)
+        if self.dp.size > 1:
+            self.dp.begin()
+            self.join_peers()
 
     def run_model(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states ``[T, H]`` and the logits the batch asks for."""
@@ -307,6 +328,7 @@ class ModelRunner:
         fb.memo.clear()
         self.dp.exchange(int(fb.input_ids.shape[0]))
         hidden = self.model(fb.input_ids, fb.positions, fb)
+        self.dp.close()
         if fb.logits_mode is LogitsMode.NONE:
             return hidden, None
         if fb.logits_mode is LogitsMode.LAST:

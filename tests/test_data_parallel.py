@@ -9,6 +9,7 @@ One data-parallel engine for the module (its ranks are spawned once)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import faulthandler
 import os
@@ -22,10 +23,12 @@ from contextlib import contextmanager
 import pytest
 
 from dllm import LLM, SamplingParams
+from dllm.async_llm import AsyncLLM
 from dllm.models.moe import StackedExperts
 from dllm.models.parallel import record_collectives
 from dllm.request import FinishReason
 from dllm.testing import make_tiny_checkpoint
+from dllm.testing.harness import fail_on_token
 from tests.test_tensor_parallel import _alive
 
 # 6 experts (3 per rank under ep 2), an MLP width 2 ranks split evenly, one dense first layer.
@@ -185,6 +188,78 @@ def test_abort_and_bad_input_on_a_data_parallel_engine(dp, single):
     with deadline():
         assert [o.token_ids for o in dp.generate(PROMPTS[:2], small)] == _want(
             single, PROMPTS[:2], small)
+
+
+def test_logprobs_come_back_from_the_other_rank(dp, single):
+    """Attention and LM head are whole on every data-parallel rank, so log-probabilities are
+    recorded there (unlike under tensor parallelism) and travel back to rank 0 with the
+    tokens: the same tokens, alternatives and values (within 1e-5) as one process's."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    with deadline():
+        reqs = [dp.engine.make_request(p, params) for p in PROMPTS[:2]]
+        dp.engine.add_request(reqs[0])
+        dp.engine.add_request(reqs[1])
+        assert dp.engine.remote[reqs[1].rid][1] == 1
+        while any(not r.finished for r in reqs):
+            dp.engine.step()
+        outs = [dp.engine.output_of(r) for r in reqs]
+    for got, prompt in zip(outs, PROMPTS, strict=False):
+        ref = single.generate([prompt], params)[0]
+        assert got.token_ids == ref.token_ids and len(got.logprobs) == 4
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+            assert (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top])
+            assert abs(a.logprob - b.logprob) <= 1e-5
+            assert all(abs(x - y) <= 1e-5 for (_, x), (_, y) in zip(a.top, b.top, strict=True))
+
+
+@pytest.mark.parametrize("where", ["start", "layer 1"])
+def test_a_batch_failing_on_one_rank_ends_only_its_request(dp, single, where):
+    """Rank 0's batch raises (at the forward's start, or in layer 1's attention after layer
+    0's MLP ran): its request ends with the error, rank 0 still joins the collectives of rank
+    1's forward (the rest of its layers with zero rows), and rank 1's request gets the
+    single-process tokens."""
+    engine = dp.engine
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    poisoned = engine.make_request([7] * 6, params)
+    good = engine.make_request(PROMPTS[1], params)
+    inside = engine.model.model.layers[1].self_attn if where == "layer 1" else None
+    with fail_on_token(engine.model, 7, inside=inside), deadline():
+        engine.add_request(poisoned)
+        engine.add_request(good)
+        assert poisoned.rid not in engine.remote and engine.remote[good.rid][1] == 1
+        while not (poisoned.finished and good.finished):
+            engine.step()
+    assert poisoned.finish_reason is FinishReason.ERROR and "injected failure" in poisoned.error
+    assert engine.output_of(good).token_ids == _want(single, [PROMPTS[1]], params)[0]
+    with deadline():
+        engine.check_memory()
+
+
+def test_streams_through_async_llm(dp, single):
+    """The server's path: ``AsyncLLM`` on the data-parallel engine streams requests that run
+    on either rank; each stream's chunks add up to the single-process tokens."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    a = AsyncLLM(engine=dp.engine)
+
+    async def one(prompt: list[int]) -> tuple[list[int], list[int]]:
+        ids, final = [], None
+        async for chunk in a.generate_stream(prompt, params):
+            ids += chunk.delta_token_ids
+            final = chunk.output
+        return ids, final.token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    try:
+        with deadline():
+            got = asyncio.run(main())
+    finally:
+        a.shutdown()
+    want = _want(single, PROMPTS, params)
+    assert [ids for ids, _ in got] == [final for _, final in got] == want
+    with deadline():
+        dp.engine.check_memory()
 
 
 def test_a_dead_rank_ends_the_engine_and_leaves_no_orphan(ckpt):
