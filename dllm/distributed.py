@@ -1,5 +1,6 @@
-"""Tensor-parallel ranks as processes (DESIGN §9): one worker process per rank, each with a
-whole ``Engine`` replica (tokenizer, scheduler, ``ModelRunner`` over its slice of every layer).
+"""Tensor- and data-parallel ranks as processes (DESIGN §9): one worker process per rank,
+each with a whole ``Engine`` (tokenizer, scheduler, ``ModelRunner`` over its slice of every
+layer).
 
 Rank 0 is the caller's process. Every engine call that changes state (``add_request``,
 ``abort``, ``step``, ``drain``) is broadcast to the other ranks before rank 0 runs it, and
@@ -8,6 +9,12 @@ the collectives of every forward line up (SGLang's way: the requests travel, not
 a batch's post-step reads its requests, which every rank then has). The broadcast is one small
 object per call over a Gloo group, on CPU and GPU alike; the forward's own collectives use the
 default group (Gloo on CPU, NCCL on GPUs).
+
+Under data-parallel attention (``data_parallel_size``) the calls travel the same way, but
+each rank applies them to its own share: ``dp_add`` names the rank a request goes to, and a
+step runs each rank's own batches, the ranks agreeing before each forward whether any has one
+(``any_rank``) and sending rank 0 their requests' progress after it (``gather``), both over
+the same Gloo group (``dllm.engine``).
 
 A worker exits when rank 0 sends ``None`` (``RankGroup.shutdown``: ``Engine.shutdown``, and at
 interpreter exit) or when rank 0's process disappears (a watchdog thread: no orphans). Rank 0
