@@ -40,7 +40,7 @@ LENGTHS = [4, 12, 8]
 
 def _params(family: str, sampled: bool, n: int) -> SamplingParams:
     extra = dict(temperature=0.9, top_k=20, seed=7) if sampled else {}
-    dllm = {"steps": 4, "block_size": 4} if family == "LLaDAModelLM" else None
+    dllm = {"steps": n, "block_size": 4} if family == "LLaDAModelLM" else None
     return SamplingParams(max_new_tokens=n, ignore_eos=True, dllm=dllm, **extra)
 
 
