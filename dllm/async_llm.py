@@ -15,7 +15,7 @@ from typing import Any
 from dllm.config import EngineConfig
 from dllm.engine import Engine, Prompt, embed_inputs
 from dllm.outputs import EmbeddingOutput, RequestOutput, StreamChunk
-from dllm.request import FinishReason, Req
+from dllm.request import FinishReason, Req, ReqStatus
 from dllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,13 @@ class AsyncLLM:
         self.engine.scheduler.waiting.clear()
         for req in reqs:
             self.engine.scheduler.finish(req, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
-        return reqs
+        # data parallel: rank 0's shadows of the requests other ranks run end with them
+        remote = [req for req, _ in self.engine.remote.values()]
+        self.engine.remote.clear()
+        for req in remote:
+            req.finish_reason, req.status = FinishReason.ERROR, ReqStatus.FINISHED
+            req.error = f"{type(exc).__name__}: {exc}"
+        return reqs + remote
 
     def _fail(self, stream: _Stream, exc: BaseException) -> None:
         self._send(stream, exc)

@@ -127,6 +127,13 @@ class EngineConfig:
         "help": "sets the MoE experts split into (each of the --tp ranks holds E/ep whole "
                 "experts, their intermediate size split over tp/ep ranks; one all-reduce per "
                 "layer as with tensor parallelism); must divide --tp; dense models ignore it"})
+    data_parallel_size: int = field(default=1, metadata={
+        "aliases": ("--dp", "--dp-size"),
+        "help": "data-parallel attention: ranks that each schedule their own requests (rank 0 "
+                "hands each new one to the least loaded) and hold their own KV cache, with "
+                "attention and LM head replicated; the MLP / MoE layers are split over all of "
+                "them (as under --tp, experts by --ep), a rank with nothing to run joining them "
+                "with an empty IDLE forward. --tp defaults to --dp and may only equal it"})
     nnodes: int = field(default=1, metadata={
         "help": "hosts the tensor-parallel ranks span (each starts `dllm serve` with the same "
                 "flags and its own --node-rank; --tp ranks are split evenly)"})
@@ -157,7 +164,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens",
-                     "tensor_parallel_size", "expert_parallel_size", "nnodes",
+                     "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+                     "nnodes",
                      "state_track_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -175,6 +183,14 @@ class EngineConfig:
                 raise ValueError("cuda_graph_batch_sizes must be positive integers, got "
                                  f"{self.cuda_graph_batch_sizes!r}")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
+        if self.data_parallel_size > 1:
+            if self.tensor_parallel_size == 1:  # --dp N alone: N ranks
+                object.__setattr__(self, "tensor_parallel_size", self.data_parallel_size)
+            elif self.tensor_parallel_size != self.data_parallel_size:
+                raise ValueError(
+                    f"data_parallel_size {self.data_parallel_size} needs tensor_parallel_size "
+                    f"1 or {self.data_parallel_size}, got {self.tensor_parallel_size} (attention "
+                    "split inside a data-parallel rank is not built)")
         if self.tensor_parallel_size % self.expert_parallel_size:
             raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the experts "

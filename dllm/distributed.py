@@ -1,5 +1,6 @@
-"""Tensor-parallel ranks as processes (DESIGN §9): one worker process per rank, each with a
-whole ``Engine`` replica (tokenizer, scheduler, ``ModelRunner`` over its slice of every layer).
+"""Tensor- and data-parallel ranks as processes (DESIGN §9): one worker process per rank,
+each with a whole ``Engine`` (tokenizer, scheduler, ``ModelRunner`` over its slice of every
+layer).
 
 Rank 0 is the caller's process. Every engine call that changes state (``add_request``,
 ``abort``, ``step``, ``drain``) is broadcast to the other ranks before rank 0 runs it, and
@@ -8,6 +9,12 @@ the collectives of every forward line up (SGLang's way: the requests travel, not
 a batch's post-step reads its requests, which every rank then has). The broadcast is one small
 object per call over a Gloo group, on CPU and GPU alike; the forward's own collectives use the
 default group (Gloo on CPU, NCCL on GPUs).
+
+Under data-parallel attention (``data_parallel_size``) the calls travel the same way, but
+each rank applies them to its own share: ``dp_add`` names the rank a request goes to, and a
+step runs each rank's own batches, the ranks agreeing before each forward whether any has one
+(``any_rank``) and sending rank 0 their requests' progress after it (``gather``), both over
+the same Gloo group (``dllm.engine``).
 
 A worker exits when rank 0 sends ``None`` (``RankGroup.shutdown``: ``Engine.shutdown``, and at
 interpreter exit) or when rank 0's process disappears (a watchdog thread: no orphans). Rank 0
@@ -59,11 +66,25 @@ class RankGroup:
     on rank 0, send the call to the other ranks (a no-op on workers and with one rank)."""
 
     def __init__(self, rank: int, world: int, control: Any = None,
-                 workers: list[subprocess.Popen] | None = None):
+                 workers: list[subprocess.Popen] | None = None, kind: str = "tensor-parallel"):
         self.rank, self.world = rank, world
         self.control = control
         self.workers = workers or []
         self.stopping = False
+        self.kind = kind  # how the error naming a dead rank calls it
+
+    # ---- data-parallel attention: each rank runs its own batches ------------------------
+    def any_rank(self, flag: bool) -> bool:
+        """Whether any rank passes True (every rank calls it: one small all-reduce)."""
+        box = torch.tensor([int(flag)])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(box.item())
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (in rank order; None on the others)."""
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
 
     @property
     def sends(self) -> bool:
@@ -88,7 +109,7 @@ class RankGroup:
                          if p.poll() is not None), None)
             if dead is not None:
                 rank, proc = dead
-                print(f"dllm: tensor-parallel rank {rank} exited (code {proc.returncode}); "
+                print(f"dllm: {self.kind} rank {rank} exited (code {proc.returncode}); "
                       "stopping", file=sys.stderr, flush=True)
                 for other in self.workers:
                     if other.poll() is None:
@@ -143,7 +164,7 @@ def launch(config: Any, device: torch.device) -> RankGroup:
         codes = [proc.wait() for proc in workers]
         sys.exit(max((abs(c) for c in codes), default=0))
     control = _init_group(0, world, addr, device)
-    group = RankGroup(0, world, control, workers)
+    group = RankGroup(0, world, control, workers, _kind(config))
     atexit.register(group.shutdown)
     threading.Thread(target=_watch_workers, args=(group,), daemon=True,
                      name="dllm-tp-watch").start()
@@ -169,7 +190,11 @@ def _launch_torchrun(config: Any, device: torch.device) -> RankGroup:
     if rank > 0:
         worker_main(config, rank, world, addr, int(os.environ.get("LOCAL_RANK", rank)), None)
         sys.exit(0)
-    return RankGroup(0, world, _init_group(0, world, addr, device))
+    return RankGroup(0, world, _init_group(0, world, addr, device), kind=_kind(config))
+
+
+def _kind(config: Any) -> str:
+    return "data-parallel" if config.data_parallel_size > 1 else "tensor-parallel"
 
 
 def _watch_workers(group: RankGroup) -> None:
@@ -200,11 +225,16 @@ def worker_main(config: Any, rank: int, world: int, addr: str, local_rank: int,
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, device=str(device))
     control = _init_group(rank, world, addr, device)
-    engine = Engine(config, ranks=RankGroup(rank, world, control))
+    engine = Engine(config, ranks=RankGroup(rank, world, control, kind=_kind(config)))
     ranks = engine.ranks
-    while (msg := ranks.receive()) is not None:
-        call, args = msg
-        getattr(engine, call)(*args)
+    try:
+        while (msg := ranks.receive()) is not None:
+            call, args = msg
+            getattr(engine, call)(*args)
+    except BaseException:  # noqa: BLE001 - die at once: rank 0 names this rank and stops
+        logger.exception("%s rank %d failed", ranks.kind, rank)
+        logging.shutdown()
+        os._exit(1)
     dist.destroy_process_group()
 
 

@@ -4,7 +4,15 @@ The engine resolves the checkpoint (``dllm.checkpoint``), builds the request fac
 (``dllm.requests``), the runner that owns the model and its memory
 (``dllm.runner.model_runner``) and the scheduler of the model's kind, and then loops:
 ``Engine.step`` below. The overlap schedule and per-request failure isolation live in
-``dllm.pipeline``."""
+``dllm.pipeline``.
+
+Data-parallel attention (``data_parallel_size`` > 1, DESIGN §9): every rank is a DP rank with
+its own scheduler, requests and KV cache. Rank 0 hands each new request to the least loaded
+rank (fewest unfinished requests; ties to the lowest rank) and keeps a shadow of the requests
+it handed away; a step runs each rank's own batches in lockstep — before each forward the
+ranks agree whether any of them has one, and a rank that has none runs an ``IDLE`` forward
+(zero rows through the shared MLP / MoE collectives) — and then the other ranks send rank 0
+what their requests gained, so outputs come back through rank 0."""
 
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.pipeline import Isolation, OverlapPipeline
 from dllm.prefix_cache import PrefixCache
-from dllm.request import Req
+from dllm.request import FinishReason, Req, ReqStatus
 from dllm.requests import Prompt, RequestFactory, generation_layout, resolve_task
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch, StepKind
 from dllm.runner.model_runner import ModelRunner, RunnerConfig
@@ -66,8 +74,16 @@ class Engine:
         self.full_attention, self.canvas_block_size = layout.full_attention, layout.canvas_block_size
         self.algorithm_name, self.algorithm_config = layout.algorithm_name, layout.algorithm_config
         self.context_length = self.info.context_length
+        # Data-parallel attention: this rank's index (= its rank); rank 0's shadows of the
+        # requests other ranks run, rid -> (request, rank).
+        self.dp_size = cfg.data_parallel_size
+        self.dp_rank = self.ranks.rank if self.dp_size > 1 else 0
+        self.remote: dict[str, tuple[Req, int]] = {}
+        self.dp_forwards = [0, 0]  # this rank's forwards run: of its own batches, IDLE
         overlap = (cfg.overlap_schedule if cfg.overlap_schedule is not None
                    else self.device.type == "cuda")
+        if self.dp_size > 1:  # the ranks' forwards line up one by one, each result read
+            overlap = False
         self.prefix_cache_reason = self._prefix_cache_off_reason()
         if self.prefix_cache_reason and cfg.enable_prefix_cache:
             logger.info("prefix cache: off (%s)", self.prefix_cache_reason)
@@ -84,13 +100,13 @@ class Engine:
         self.requests = RequestFactory(self.tokenizer, self.info, layout, self.task,
                                        self.context_length, self.scheduler.check_fits,
                                        lambda: self.step_count, cfg.seed,
-                                       self.ranks.world)
+                                       self.ranks.world // self.dp_size)
         self.make_request, self.make_embed_request = (self.requests.make_request,
                                                       self.requests.make_embed_request)
         self.tokenize, self.apply_chat_template = (self.requests.tokenize,
                                                    self.requests.apply_chat_template)
         self.isolation = Isolation(self.runner, self.scheduler, self.req_pool,
-                                   self.ranks.check_peers)
+                                   self.ranks.check_peers, retry=self.dp_size == 1)
         self.pipeline = OverlapPipeline(self.isolation, overlap)
 
     # ---- setup -------------------------------------------------------------------------
@@ -127,6 +143,7 @@ class Engine:
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, tp_rank=self.ranks.rank,
             tp_size=self.ranks.world, ep_size=cfg.expert_parallel_size,
+            dp_size=self.dp_size, cpu_group=self.ranks.control,
             # committed + track slots per request, and one more for the cache's snapshots
             state_slots_per_request=2 + self.num_track_slots if self.num_track_slots else 1)
 
@@ -167,16 +184,46 @@ class Engine:
         return min(self.context_length - n, pool // self.block_size * self.block_size - n)
 
     def add_request(self, req: Req) -> None:
-        self.scheduler.add(req)  # raises on bad input before any other rank hears of it
-        self.ranks.mirror("add_request", req)
+        if self.dp_size == 1:
+            self.scheduler.add(req)  # raises on bad input before any other rank hears of it
+            self.ranks.mirror("add_request", req)
+            return
+        # Data parallel: checked here (every rank's pools are the same size), then handed
+        # to the least loaded rank.
+        self.scheduler.check_fits(req)
+        if self._in_use(req.rid):
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        loads = [len(self.scheduler.waiting) + len(self.scheduler.running)] + [0] * (
+            self.dp_size - 1)
+        for _, rank in self.remote.values():
+            loads[rank] += 1
+        target = loads.index(min(loads))
+        self.ranks.mirror("dp_add", req, target)
+        self.dp_add(req, target)
+
+    def dp_add(self, req: Req, target: int) -> None:
+        """Data parallel: ``req`` goes to rank ``target`` (rank 0 keeps a shadow of it)."""
+        if target == self.dp_rank:
+            self.scheduler.add(req)
+        elif self.dp_rank == 0:
+            self.remote[req.rid] = (req, target)
+
+    def _in_use(self, rid: str) -> bool:
+        s = self.scheduler
+        return rid in s.running or any(r.rid == rid for r in s.waiting) or rid in self.remote
 
     def abort(self, rid: str) -> Req | None:
         self.ranks.mirror("abort", rid)
+        if rid in self.remote:  # the rank running it aborts it at the same call
+            req, _ = self.remote.pop(rid)
+            req.finish_reason, req.status = FinishReason.ABORT, ReqStatus.FINISHED
+            return req
         return self.scheduler.abort(rid)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.pipeline.pending)
+        return (self.scheduler.has_work or bool(self.pipeline.pending)
+                or bool(self.remote))  # data parallel: another rank's requests
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -184,6 +231,8 @@ class Engine:
         progress). Returns the requests whose output grew or that finished."""
         self.ranks.mirror("step")
         self.step_count += 1
+        if self.dp_size > 1:
+            return self._dp_step()
         changed: list[Req] = []
         for batch in self.scheduler.schedule():
             if self.pipeline.overlaps(batch):  # queued now, applied next step
@@ -191,6 +240,42 @@ class Engine:
             else:  # results apply in launch order
                 changed += self.pipeline.drain() + self.isolation.run(batch)
         return changed + self.pipeline.end_step()
+
+    def _dp_step(self) -> list[Req]:
+        """Data parallel: this rank's batches, forward by forward in lockstep with the other
+        ranks (an ``IDLE`` forward while it has none and another rank still has one), then
+        the other ranks' changed requests sent to rank 0."""
+        changed: list[Req] = []
+        batches = iter(self.scheduler.schedule())
+        while True:
+            batch = next(batches, None)
+            if not self.ranks.any_rank(batch is not None):
+                break
+            self.dp_forwards[batch is None] += 1
+            if batch is None:
+                self.runner.forward(ScheduledBatch(ForwardMode.IDLE))
+            else:
+                changed += self.isolation.run(batch)
+        sent = self.ranks.gather([] if self.dp_rank == 0 else
+                                 [_progress(req) for req in {r.rid: r for r in changed}.values()])
+        for updates in sent[1:] if sent is not None else ():
+            for rid, fields in updates:
+                if rid not in self.remote:  # aborted meanwhile
+                    continue
+                req = self.remote[rid][0]
+                for name, value in fields.items():
+                    setattr(req, name, value)
+                if req.finished:
+                    del self.remote[rid]
+                changed.append(req)
+        return changed
+
+    def dp_forward_counts(self) -> list[tuple[int, int]] | None:
+        """Data parallel: every rank's forwards so far, ``(own batches, IDLE)``, in rank
+        order (on rank 0; None on the others)."""
+        self.ranks.mirror("dp_forward_counts")
+        got = self.ranks.gather(tuple(self.dp_forwards))
+        return [tuple(c) for c in got] if got is not None else None
 
     def drain(self) -> list[Req]:
         """Apply the results still in flight (overlapped scheduling)."""
@@ -225,9 +310,24 @@ class Engine:
 
     def check_memory(self) -> None:
         """Raise ``AssertionError`` if any KV page, request slot or state slot leaked (with
-        no request left, every page and slot is free or held by the prefix cache)."""
+        no request left, every page and slot is free or held by the prefix cache). Under
+        data parallelism every rank checks its own and rank 0 raises for any of them."""
+        if self.dp_size == 1:
+            return self._check_memory()
+        self.ranks.mirror("check_memory")
+        try:
+            self._check_memory()
+            error = None
+        except AssertionError as exc:
+            error = f"rank {self.dp_rank}: {exc!r}"
+        errors = self.ranks.gather(error)
+        failed = [e for e in errors or () if e is not None]
+        if failed:
+            raise AssertionError("; ".join(failed))
+
+    def _check_memory(self) -> None:
         self.scheduler.check_memory()
-        if not self.has_work:
+        if not (self.scheduler.has_work or self.pipeline.pending):
             cache = self.prefix_cache
             pages, states = cache.held() if cache is not None else ([], [])
             assert self.kv_pool.num_free_pages + len(pages) == self.kv_pool.num_usable_pages
@@ -248,3 +348,17 @@ class Engine:
             self.step()
         self.drain()
         return [self.output_of(r) for r in reqs]
+
+
+# What a data-parallel rank sends rank 0 of a request that changed in a step (rank 0's
+# shadow takes these; the text is decoded on rank 0 from ``output_ids``).
+_PROGRESS = ("status", "output_ids", "finish_reason", "error", "stop_matched", "cached_tokens",
+             "prefilled_len", "num_forward_passes", "num_denoise_forwards",
+             "num_commit_forwards", "num_blocks_committed", "trace")
+
+
+def _progress(req: Req) -> tuple[str, dict]:
+    fields = {name: getattr(req, name) for name in _PROGRESS}
+    if req.is_embedding and req.finished:
+        fields["state"] = dataclasses.replace(req.state, pool_state={})
+    return req.rid, fields

@@ -47,10 +47,13 @@ class Launched:
 
 class Isolation:
     """``check_peers``: called first when a batch fails; ends the process when a
-    tensor-parallel rank is gone (its collectives fail on every rank; nothing to retry)."""
+    tensor-parallel rank is gone (its collectives fail on every rank; nothing to retry).
+    ``retry`` False (data-parallel ranks, whose forwards must line up with their peers'): a
+    failed batch ends its requests with the error instead of being run again one by one."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, req_pool: ReqToTokenPool,
-                 check_peers: Callable[[], None] = lambda: None):
+                 check_peers: Callable[[], None] = lambda: None, retry: bool = True):
+        self.retry_ok = retry
         self.runner = runner
         self.scheduler = scheduler
         self.req_pool = req_pool
@@ -74,7 +77,7 @@ class Isolation:
         except Exception as exc:  # noqa: BLE001 - isolate the failing request
             self.check_peers()
             units = self.scheduler.split(batch)
-            if len(units) > 1 or batch.state_writers():
+            if self.retry_ok and (len(units) > 1 or batch.state_writers()):
                 return self.retry(batch, exc, units)
             return self._fail(batch, exc)
 

@@ -28,7 +28,13 @@ from dllm.models.layers import (
 )
 from dllm.models.moe import StackedExperts
 from dllm.models.ops import UsesOps
-from dllm.models.parallel import ShardedLogits, all_reduce, tensor_parallel
+from dllm.models.parallel import (
+    ShardedLogits,
+    all_reduce,
+    building_under,
+    data_parallel,
+    tensor_parallel,
+)
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 
@@ -147,13 +153,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
+        self.dp = data_parallel()  # data-parallel attention: the MLP runs over every rank's rows
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(positions, h, forward_batch)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.dp.run_mlp(self.mlp, h), residual
+
+    def idle(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """This layer's MLP collectives without its rows: zeros of the count this rank
+        announced for the forward (0 in an ``IDLE`` forward; a failed forward's rows)."""
+        rows = self.dp.counts[self.dp.rank]
+        self.dp.run_mlp(self.mlp, torch.zeros(rows, hidden_size, dtype=dtype, device=device))
 
 
 class DecoderModel(nn.Module):
@@ -188,7 +201,13 @@ class DecoderLM(UsesOps, nn.Module):
         self.attn_spec = attn_spec
         self.tie_word_embeddings = tie_word_embeddings
         h, eps = attn_spec.hidden_size, attn_spec.norm_eps
-        layers = [DecoderLayer(make_attention(i), make_mlp(i), h, eps) for i in range(num_layers)]
+        dp = data_parallel()  # under data-parallel attention the MLPs split over all ranks
+        layers = []
+        for i in range(num_layers):
+            attn = make_attention(i)
+            with building_under(dp.mlp if dp.size > 1 else tensor_parallel()):
+                mlp = make_mlp(i)
+            layers.append(DecoderLayer(attn, mlp, h, eps))
         self.model = DecoderModel(vocab_size, h, layers, eps)
         self.lm_head = None if tie_word_embeddings else LMHead(vocab_size, h)
 

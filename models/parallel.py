@@ -92,6 +92,94 @@ def tensor_parallel() -> TensorParallel:
     return _TP
 
 
+class DataParallel:
+    """Data-parallel attention (DESIGN §9): ``size`` ranks each attend over their own requests
+    (attention, embedding and LM head replicated: built under a one-rank ``TensorParallel``),
+    while the MLP / MoE layers are split over all of them (``mlp``: tensor and expert parallel
+    over the ``size`` ranks). Before each MLP the ranks' token rows are gathered (padded to the
+    largest rank's count), the MLP runs on every rank's rows, and each rank keeps its own.
+
+    ``counts`` is every rank's token count in the forward now running, exchanged once per
+    forward on the host (``exchange``) over ``cpu_group`` (a Gloo group; None: the default
+    group, Gloo on CPU), so no layer reads a device value. A rank with no rows (an ``IDLE``
+    forward, count 0) still joins each layer's gather and the MLP's collectives.
+
+    ``stage`` follows the forward now running (``begin`` → "started", ``exchange`` → "open",
+    ``close`` → "done") and ``layers_done`` its MLPs that have run, so that a forward that
+    fails part way can still take part in the collectives its peers run (the runner's
+    ``finish_failed``)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, mlp: TensorParallel | None = None,
+                 cpu_group: object | None = None):
+        self.rank, self.size = rank, size
+        self.mlp = mlp if mlp is not None else TensorParallel()
+        self.cpu_group = cpu_group
+        self.counts: list[int] = [0] * size
+        self.stage, self.layers_done = "done", 0
+
+    def begin(self) -> None:
+        self.stage = "started"
+
+    def close(self) -> None:
+        self.stage = "done"
+
+    def exchange(self, tokens: int) -> list[int]:
+        """Every rank's token count for the forward about to run (a collective: every rank
+        calls it once per forward, ``IDLE`` ones with 0)."""
+        if self.size > 1:
+            out = torch.zeros(self.size, dtype=torch.int64)
+            dist.all_gather(list(out.unbind(0)), torch.tensor(tokens, dtype=torch.int64),
+                            group=self.cpu_group)
+            self.counts = out.tolist()
+        else:
+            self.counts = [tokens]
+        self.stage, self.layers_done = "open", 0
+        return self.counts
+
+    def run_mlp(self, mlp: Callable[[torch.Tensor], torch.Tensor],
+                x: torch.Tensor) -> torch.Tensor:
+        """``mlp`` over every rank's rows of this layer; this rank's rows of its output."""
+        if self.size == 1:
+            return mlp(x)
+        counts = self.counts
+        if x.shape[0] != counts[self.rank]:
+            raise RuntimeError(f"data-parallel rank {self.rank}: {x.shape[0]} rows, "
+                               f"{counts[self.rank]} announced")
+        most = max(counts)
+        padded = x if x.shape[0] == most else torch.cat(
+            [x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
+        ranks = all_gather_stack(padded, self.mlp)  # [size, most, H]
+        rows = torch.cat([ranks[r, :n] for r, n in enumerate(counts)])
+        start = sum(counts[: self.rank])
+        out = mlp(rows)[start : start + counts[self.rank]]
+        self.layers_done += 1
+        return out
+
+
+_DP = DataParallel()
+
+
+def set_data_parallel(dp: DataParallel) -> None:
+    global _DP
+    _DP = dp
+
+
+def data_parallel() -> DataParallel:
+    """The data-parallel ranks the modules built now run over (one: none)."""
+    return _DP
+
+
+@contextmanager
+def building_under(tp: TensorParallel) -> Iterator[None]:
+    """Build modules split over ``tp`` (the MLPs under data-parallel attention)."""
+    before = tensor_parallel()
+    set_tensor_parallel(tp)
+    try:
+        yield
+    finally:
+        set_tensor_parallel(before)
+
+
 _RECORDS: list[list[tuple[str, tuple[int, ...]]]] = []
 
 

@@ -18,9 +18,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dllm.models.decoder import DecoderLayer
 from dllm.models.loader import load_model
 from dllm.models.ops import install_ops
-from dllm.models.parallel import TensorParallel, set_tensor_parallel
+from dllm.models.parallel import (
+    DataParallel,
+    TensorParallel,
+    data_parallel,
+    set_data_parallel,
+    set_tensor_parallel,
+)
 from dllm.runner.attention import make_backend, resolve_backend_name, triton_available
 from dllm.runner.forward_batch import (
     ForwardBatch,
@@ -84,6 +91,11 @@ class RunnerConfig:
     tp_rank: int = 0  # this rank among the tensor-parallel ranks (``dllm.models.parallel``)
     tp_size: int = 1
     ep_size: int = 1  # expert-parallel sets among the tp ranks (``TensorParallel.ep``)
+    # Data-parallel attention (``DataParallel``): ``dp_size`` = ``tp_size`` ranks, each with
+    # its own requests, attention and KV; the MLP / MoE layers split over all of them.
+    # ``cpu_group``: the Gloo group the per-forward token counts cross (None: the default).
+    dp_size: int = 1
+    cpu_group: Any = None
     # Hybrid models: recurrent-state slots per running request (the committed slot, and with
     # the prefix cache its track slots and room for the cache's snapshots).
     state_slots_per_request: int = 1
@@ -112,7 +124,15 @@ class ModelRunner:
         self.steps = steps
         self.device = config.device
         torch.manual_seed(config.seed)
-        set_tensor_parallel(TensorParallel(config.tp_rank, config.tp_size, ep=config.ep_size))
+        mlp_tp = TensorParallel(config.tp_rank, config.tp_size, ep=config.ep_size)
+        if config.dp_size > 1:  # attention replicated, MLPs over every rank
+            set_tensor_parallel(TensorParallel())
+            set_data_parallel(DataParallel(config.tp_rank, config.dp_size, mlp_tp,
+                                           config.cpu_group))
+        else:
+            set_tensor_parallel(mlp_tp)
+            set_data_parallel(DataParallel())
+        self.dp = data_parallel()
         self.model, _, _ = load_model(config.model_path, dtype=config.dtype, device=self.device,
                                       load_format=config.load_format, seed=config.seed)
         self.model.eval()
@@ -169,7 +189,7 @@ class ModelRunner:
         self.state_pool = None
         if spec_of is None:
             return 0
-        if self.config.tp_size > 1:  # the Mamba2 mixers are not split yet
+        if self.config.tp_size > 1 and self.config.dp_size == 1:  # Mamba2 is not split yet
             raise NotImplementedError("tensor parallelism over hybrid Mamba2 models is not "
                                       "built yet")
         spec, cfg = spec_of(), self.config
@@ -220,7 +240,7 @@ class ModelRunner:
         ``disable_cuda_graph`` those steps still run padded to the capture sizes and planned
         as a graph would be, without capture (so eager and graph outputs are identical)."""
         cfg, kind = self.config, self.config.graph_kind
-        if (kind is None or not self._flashinfer()
+        if (kind is None or not self._flashinfer() or cfg.dp_size > 1  # host count exchange
                 or not getattr(self.model, "supports_cuda_graph", True)):
             return
         from dllm.runner.cuda_graph import CudaGraphRunner, capture_sizes
@@ -268,13 +288,47 @@ class ModelRunner:
                 and len(batch.state_read_slots) != batch.batch_size):
             raise ValueError("a batch of a hybrid model needs the state slots of every row")
         runner = next(r for r in self.runners if r.can_run(batch))
-        return runner.execute(runner.load_batch(batch), post)
+        if self.dp.size == 1:
+            return runner.execute(runner.load_batch(batch), post)
+        self.dp.begin()
+        try:
+            return runner.execute(runner.load_batch(batch), post)
+        except Exception:
+            self.join_peers()  # a failed forward: its peers' collectives still line up
+            raise
+
+    def join_peers(self) -> None:
+        """Data-parallel attention: take part, with zero rows, in the collectives the peers
+        still run in this forward — the count exchange if this rank has not reached it, then
+        the MLPs of the layers it has not run. An ``IDLE`` forward is all of it; a forward
+        that failed part way is the rest of it, so every rank's next collective is the same
+        one (a failure inside one MLP, between its gather and its all-reduce, cannot be lined
+        up so)."""
+        dp = self.dp
+        if dp.stage == "done":
+            return
+        if dp.stage == "started":
+            dp.exchange(0)
+        layers = [m for m in self.model.modules() if isinstance(m, DecoderLayer)]
+        for layer in layers[dp.layers_done:]:
+            layer.idle(self.model.attn_spec.hidden_size, self.config.dtype, self.device)
+        dp.close()
+
+    def run_idle(self) -> None:
+        """An ``IDLE`` forward: under data-parallel attention, zero rows through every layer's
+        MLP collectives (the peers' rows still pass through this rank's experts); else
+        nothing."""
+        if self.dp.size > 1:
+            self.dp.begin()
+            self.join_peers()
 
     def run_model(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states ``[T, H]`` and the logits the batch asks for."""
         fb.attn_backend.prepare(fb)
         fb.memo.clear()
+        self.dp.exchange(int(fb.input_ids.shape[0]))
         hidden = self.model(fb.input_ids, fb.positions, fb)
+        self.dp.close()
         if fb.logits_mode is LogitsMode.NONE:
             return hidden, None
         if fb.logits_mode is LogitsMode.LAST:
@@ -308,6 +362,7 @@ class EagerRunner(Runner):
         would still join its peers' collectives there."""
         fb = forward_batch
         if fb.mode is ForwardMode.IDLE:
+            self.owner.run_idle()
             return None
         hidden, logits = self.owner.run_model(fb)
         return post(fb, hidden, logits) if post is not None else (hidden, logits)

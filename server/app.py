@@ -237,7 +237,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         s = state.ready()
         cfg = s.llm.engine.config
         return {"served_model_name": s.model_name, "model_path": s.model_path,
-                "tp_size": cfg.tensor_parallel_size, "dp_size": 1,
+                "tp_size": cfg.tensor_parallel_size, "dp_size": cfg.data_parallel_size,
                 "context_length": s.context_length,
                 "max_running_requests": cfg.max_running_requests, "version": __version__}
 
