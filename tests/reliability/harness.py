@@ -69,10 +69,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The server runs in a session of its own, as one started from another terminal or as a
-# service: Linux's scheduler (autogroups) then shares the CPU between it and the load
-# generator as between two programs, instead of between their threads lumped together (where
-# the generator's 64 streams compete with the server's engine and event loop directly).
+# The server (and the /health probe) run in a session of their own, as programs started from
+# another terminal or as services: Linux's scheduler (autogroups) then shares the CPU between
+# them and the load generator as between programs, instead of among their threads lumped
+# together (where the generator's 64 streams compete with the server's engine and event loop,
+# and with the probe, directly).
 OWN_SESSION = True
 
 
@@ -216,8 +217,11 @@ class HealthProbe:
 
     async def __aenter__(self) -> HealthProbe:
         host, port = self.url.rsplit("//", 1)[1].rsplit(":", 1)
+        # In a session of its own (a health checker is a program of its own): its latency
+        # is then the server's, not also its wait for a CPU behind the load generator.
         self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, host, port, str(self.every)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      start_new_session=OWN_SESSION)
         first = await asyncio.to_thread(self._proc.stdout.readline)  # one answer: it runs
         if first.strip() != "ready":
             self._proc.kill()
