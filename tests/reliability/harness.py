@@ -535,17 +535,17 @@ async def big_prompts(server: Server, chars: int = 9_500_000, parallel: int = 8,
             times = await gaps
             window = [x for x in times if x >= t - 0.5]
             gap = max((b - a for a, b in zip(window, window[1:], strict=False)), default=0.0)
-            # The stream's own cadence: its gaps in the 2 s before (the first chunk,
-            # after the prompt's prefill, left out).
+            # The stream's own cadence: its longest gap in the 2 s before (the first chunk,
+            # after the prompt's prefill, left out); None: under two chunks then.
             before = [x for x in times[1:] if x < t]
-            own = max((b - a for a, b in zip(before, before[1:], strict=False)), default=0.0)
+            own = max((b - a for a, b in zip(before, before[1:], strict=False)), default=None)
             out[name] = {"statuses": sorted({r.status_code for r in answers}),
                          "openai_shaped": all(is_openai_error(r.status_code, r.content)
                                               for r in answers),
                          "seconds": round(elapsed, 2),
                          "extra_rss_mb": round(peak - rss0, 1),
                          "max_stream_gap_s": round(gap, 3), "stream_chunks": len(window),
-                         "stream_gap_before_s": round(own, 3),
+                         "stream_gap_before_s": None if own is None else round(own, 3),
                          **probe.figures()}
     return out
 
