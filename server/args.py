@@ -110,11 +110,11 @@ class ServerConfig:
     no_web_ui: bool = field(default=False, metadata={
         "help": "serve no page at / (the page shows a prompt's block as it denoises, over "
                 "the API; it asks for the key under --api-key)"})
-    engine_nice: int = field(default=5, metadata={
+    engine_nice: int = field(default=0, metadata={
         "help": "run the engine thread (and its torch threads) and the body workers this "
                 "much nicer than the HTTP event loop (0-19): when the CPU is short, the "
-                "loop (/health, every stream, every new request) runs first (0: the same "
-                "priority)"})
+                "loop (/health, every new request) runs first, and the engine's steps (every "
+                "stream's pace) wait behind the loop's work (0: the same priority)"})
     engine_cpu_threads: int = field(default=0, metadata={
         "help": "torch threads of an engine on the CPU (0: torch's default, one per core)"})
     limits: Limits = field(default_factory=Limits)

@@ -7,7 +7,8 @@ the operating system hands them out by niceness, so a loop thread that wakes up 
 request can wait behind the engine's torch work for tens of milliseconds.
 ``--engine-nice N`` runs the engine thread, the torch threads it starts and the body-worker
 processes ``N`` steps nicer than the loop: the loop, which needs little CPU but needs it at
-once, gets it first; the engine keeps every cycle the loop leaves. Raising one's own
+once, gets it first; the engine keeps every cycle the loop leaves (and waits while the loop
+works, e.g. receiving a large body: streams then slow down). Raising one's own
 niceness needs no privilege. ``--engine-cpu-threads`` caps torch's threads of a CPU engine
 (so that under load one core stays for the loop)."""
 

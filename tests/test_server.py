@@ -115,7 +115,7 @@ def servers(long_sdar_dir, tmp_path_factory):
             (long_sdar_dir, "keyed", ("--api-key", API_KEY, "--served-model-name", "keyed-model",
                                       "other-name", "--num-kv-pages", "256", "--strict-fields",
                                       "--allowed-origins", "http://example.com",
-                                      "--engine-nice", "0"))
+                                      "--engine-nice", "5"))
     ) as (plain, keyed):
         yield plain, keyed
 
@@ -763,12 +763,14 @@ def _children(pid: int) -> list[tuple[str, int]]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_engine_runs_nicer_than_the_event_loop(server, keyed, http):
-    """``--engine-nice`` (default 5): the engine thread and the threads it started (torch's)
-    are named dllm-engine and run 5 nicer than the rest of the server (the event loop); the
-    body-worker processes too. ``--engine-nice 0`` (the keyed server): all at 0."""
-    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}
-                     ).status_code == 200  # the engine has run a step (its torch threads)
-    for srv, nice in ((server, 5), (keyed, 0)):
+    """``--engine-nice 5`` (the keyed server): the engine thread and the threads it started
+    (torch's) are named dllm-engine and run 5 nicer than the rest of the server (the event
+    loop); the body-worker processes too. The default, 0 (the plain server): all at 0."""
+    for srv in (server, keyed):  # the engine has run a step (its torch threads)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert r.status_code == 200, r.text
+    for srv, nice in ((server, 0), (keyed, 5)):
         threads = _threads(srv.proc.pid)
         engine = [n for name, n in threads.values() if name == "dllm-engine"]
         rest = [n for name, n in threads.values() if name != "dllm-engine"]
@@ -784,7 +786,7 @@ def test_engine_nice_and_cpu_threads_are_checked():
     from dllm.server.args import ServerConfig
 
     engine = EngineConfig(model="unused")
-    assert ServerConfig(engine=engine).engine_nice == 5
+    assert ServerConfig(engine=engine).engine_nice == 0
     assert ServerConfig(engine=engine, engine_nice=19, engine_cpu_threads=1).engine_nice == 19
     for bad in ({"engine_nice": -1}, {"engine_nice": 20}, {"engine_nice": True},
                 {"engine_cpu_threads": -1}):
