@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -65,11 +66,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     parts = set(args.parts)
     term_flags = ("--shutdown-timeout", str(args.shutdown_timeout)) if new else ()
-    specs = [("main", ())] + ([("term", term_flags)] if "sigterm" in parts else [])
+    extra = tuple(shlex.split(args.server_flags))
+    specs = [("main", extra)] + ([("term", term_flags + extra)] if "sigterm" in parts else [])
     with h.serving(logs, *specs, python=args.python) as servers:
         s = servers[0]
         if "load" in parts:
-            step("load", h.load_with_disconnects(s, n=100 if quick else 1000,
+            step("load", h.load_with_disconnects(s, n=100 if quick else args.load_requests,
                                                  concurrency=64, drop=0.2, seed=0))
         if "fuzz" in parts:
             step("fuzz", h.fuzz(s, n=200 if quick else 600, seed=0))
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "sigint_idle" in parts:
             step("sigint_idle", lambda: h.sigint_idle(s))
     if "connection_limit" in parts:
-        with h.serving(logs, ("fds", ()), python=args.python, max_fds=MAX_FDS) as (fds,):
+        with h.serving(logs, ("fds", extra), python=args.python, max_fds=MAX_FDS) as (fds,):
             step("connection_limit", h.connection_limit(fds, limit=HOLD, extra=20))
     return figures
 
@@ -131,8 +133,9 @@ def rows(f: dict[str, Any]) -> list[tuple[str, str]]:
         out += [(f"{label}: status / s", f"({n} at once) {status}" if case == "parallel"
                  else status),
                 (f"{label}: extra RSS MB", c.get("extra_rss_mb")),
-                (f"{label}: longest stream gap s / /health max ms",
-                 f"{c.get('max_stream_gap_s')} / {c.get('health_max_ms')}")]
+                (f"{label}: longest stream gap s (in the 2 s before) / /health max ms",
+                 f"{c.get('max_stream_gap_s')} ({c.get('stream_gap_before_s')}) / "
+                 f"{c.get('health_max_ms')}")]
     out += [
         ("slow sockets: /health max ms", g("slow_sockets", "health_max_ms")),
         ("silent sockets: closed after s (max)", g("slow_sockets", "silent_closed_max_s")),
@@ -198,6 +201,15 @@ def main() -> int:
     p.add_argument("--label", default="after", help="this run's column name")
     p.add_argument("--python", default=None,
                    help="the interpreter whose dllm serves (another checkout's venv)")
+    p.add_argument("--server-flags", default="",
+                   help="more flags for every `dllm serve` started, as one string "
+                        "('--engine-nice 0'): an A/B of a server setting")
+    p.add_argument("--load-requests", type=int, default=1000,
+                   help="requests of the load scenario (64 at once, 20%% disconnected)")
+    p.add_argument("--same-session", action="store_true",
+                   help="start the servers in this command's session (default: each in its "
+                        "own, as a server started elsewhere; in one session Linux shares the "
+                        "CPU among the client's and the server's threads together)")
     p.add_argument("--compare", default=None, help="an earlier run's .json: a column of it")
     p.add_argument("--parallel", type=int, default=8, help="9.5 MB prompts sent at once")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -220,6 +232,7 @@ def main() -> int:
                                             f"commit {r['commit']})" for r in runs) + "\n\n")
         print(f"wrote {write_report(args.out, 'stress', header + md, {'runs': args.combine}, f'{stamp()}-combined')}")
         return 0
+    h.OWN_SESSION = not args.same_session
     t = time.perf_counter()
     load_start = os.getloadavg()
     figures = run(args)
@@ -230,6 +243,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
     payload = {"label": args.label, "commit": commit, "python": args.python or sys.executable,
+               "server_flags": args.server_flags, "same_session": args.same_session,
                "seconds": round(time.perf_counter() - t), "platform": platform.platform(),
                "figures": figures}
     columns = [(args.label, figures)]
@@ -240,7 +254,8 @@ def main() -> int:
     print(md)
     header = (f"# stress ({args.label})\n\n`bench/stress.py`, the built-in model on CPU, "
               f"{platform.platform()}; client commit {commit}, server: "
-              f"`{args.python or sys.executable}`.\n\n")
+              f"`{args.python or sys.executable}`"
+              + (f", flags `{args.server_flags}`" if args.server_flags else "") + ".\n\n")
     path = write_report(args.out, "stress", header + md, payload, f"{stamp()}-{args.label}")
     print(f"wrote {path}")
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +91,12 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, engine: Engine | None = None,
-                 **engine_args: Any):
+                 thread_init: Callable[[], None] | None = None, **engine_args: Any):
+        """``thread_init`` runs first in the engine thread (the server lowers that thread's
+        CPU priority and sets its torch threads there); an exception in it is logged and the
+        engine runs anyway."""
         self.engine = engine or Engine(EngineConfig(model=model, **engine_args))
+        self._thread_init = thread_init
         self.tokenizer = self.engine.tokenizer
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
@@ -212,6 +216,11 @@ class AsyncLLM:
             self._cv.notify_all()
 
     def _loop(self) -> None:
+        if self._thread_init is not None:
+            try:
+                self._thread_init()
+            except Exception:  # noqa: BLE001 - a setting that did not apply is not fatal
+                logger.exception("the engine thread's setup failed")
         while True:
             with self._cv:
                 while not self._stopped and not self._inbox and not self._busy:

@@ -30,6 +30,7 @@ from dllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from dllm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestGuardMiddleware
 from dllm.server.native_api import NativeServing
 from dllm.server.openai_api import OpenAIServing
+from dllm.server.priority import engine_thread_init
 from dllm.server.protocol import (
     AbortRequest,
     APIError,
@@ -137,7 +138,9 @@ class ServerState:
 def _build_llm(config: ServerConfig) -> AsyncLLM:
     from dllm.engine import Engine
 
-    return AsyncLLM(engine=Engine(config.engine))
+    engine = Engine(config.engine)
+    return AsyncLLM(engine=engine, thread_init=engine_thread_init(
+        config.engine_nice, config.engine_cpu_threads, engine.device.type))
 
 
 def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
@@ -147,7 +150,8 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if config.limits.body_workers:
-            state.bodies = await asyncio.to_thread(BodyWorkers, config.limits.body_workers)
+            state.bodies = await asyncio.to_thread(BodyWorkers, config.limits.body_workers,
+                                                   config.engine_nice)
         loading = asyncio.create_task(state.load())
         stats = asyncio.create_task(state.log_stats())
         try:

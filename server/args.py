@@ -110,6 +110,13 @@ class ServerConfig:
     no_web_ui: bool = field(default=False, metadata={
         "help": "serve no page at / (the page shows a prompt's block as it denoises, over "
                 "the API; it asks for the key under --api-key)"})
+    engine_nice: int = field(default=0, metadata={
+        "help": "run the engine thread (and its torch threads) and the body workers this "
+                "much nicer than the HTTP event loop (0-19): when the CPU is short, the "
+                "loop (/health, every new request) runs first, and the engine's steps (every "
+                "stream's pace) wait behind the loop's work (0: the same priority)"})
+    engine_cpu_threads: int = field(default=0, metadata={
+        "help": "torch threads of an engine on the CPU (0: torch's default, one per core)"})
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -127,6 +134,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if isinstance(self.engine_nice, bool) or not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice must be in [0, 19], got {self.engine_nice}")
+        if self.engine_cpu_threads < 0:
+            raise ValueError("engine_cpu_threads must be 0 (torch's default) or positive, got "
+                             f"{self.engine_cpu_threads}")
         if not 0 <= self.log_stats_interval < float("inf"):
             raise ValueError("log_stats_interval must be 0 (off) or a number of seconds, got "
                              f"{self.log_stats_interval}")

@@ -28,6 +28,8 @@ import threading
 from types import SimpleNamespace
 from typing import Any, BinaryIO
 
+from dllm.server.priority import lower_priority
+
 logger = logging.getLogger("dllm.server")
 _HEADER = struct.Struct("<Q")
 
@@ -91,10 +93,11 @@ def _serve() -> None:
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 0) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "dllm.server.body_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lower_priority(self.proc.pid, nice)  # after the event loop, as the engine
         for pipe in (self.proc.stdin, self.proc.stdout):
             _widen(pipe.fileno())
 
@@ -119,12 +122,13 @@ class BodyWorkers:
     """``workers`` processes that parse bodies (``parse``: call it from a thread; it blocks
     until a worker is free and has answered)."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, nice: int = 0):
+        self._nice = nice
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
         for _ in range(workers):
-            self._idle.put(_Worker())
+            self._idle.put(_Worker(nice))
 
     def parse(self, raw: bytes, route: str, limits: Any, context_length: int,
               max_prompt_chars: int | None) -> dict[str, Any]:
@@ -138,7 +142,7 @@ class BodyWorkers:
         except (OSError, EOFError, pickle.UnpicklingError):
             answer = ("failed", f"the body worker {worker.proc.pid} ended")
             worker.close()
-            worker = None if self._closed else _Worker()
+            worker = None if self._closed else _Worker(self._nice)
         finally:
             if worker is not None and self._closed:
                 worker.close()

@@ -26,6 +26,7 @@ from dllm.cli_args import engine_config_from_args
 from dllm.server.app import ServerState, build_app
 from dllm.server.args import ServerConfig, server_config_from_args
 from dllm.server.connections import RateLimitFilter, protocol_class
+from dllm.server.priority import engine_thread_init
 
 logger = logging.getLogger("dllm.server")
 # File descriptors kept free beyond the connection limit (the model, logs, the engine).
@@ -107,7 +108,9 @@ def run_server(config: ServerConfig) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dllm.engine import Engine
 
-    llm = AsyncLLM(engine=Engine(config.engine))
+    engine = Engine(config.engine)
+    llm = AsyncLLM(engine=engine, thread_init=engine_thread_init(
+        config.engine_nice, config.engine_cpu_threads, engine.device.type))
     limiter = RateLimitFilter()
     for name in ("dllm.server", "uvicorn.error", "asyncio"):
         logging.getLogger(name).addFilter(limiter)

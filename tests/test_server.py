@@ -114,7 +114,8 @@ def servers(long_sdar_dir, tmp_path_factory):
                                       "--log-level", "info")),
             (long_sdar_dir, "keyed", ("--api-key", API_KEY, "--served-model-name", "keyed-model",
                                       "other-name", "--num-kv-pages", "256", "--strict-fields",
-                                      "--allowed-origins", "http://example.com"))
+                                      "--allowed-origins", "http://example.com",
+                                      "--engine-nice", "5"))
     ) as (plain, keyed):
         yield plain, keyed
 
@@ -728,3 +729,66 @@ def test_strict_fields_names_served_names_and_cors(keyed):
     other = httpx.options(keyed.url + "/v1/completions", headers={
         "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in other.headers
+
+
+# ---- CPU priorities -------------------------------------------------------------------------
+def _threads(pid: int) -> dict[int, tuple[str, int]]:
+    """{thread id: (name, niceness)} of a process (Linux)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            nice = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (name, nice)
+    return out
+
+
+def _children(pid: int) -> list[tuple[str, int]]:
+    """(command line, niceness) of a process's children."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out.append((cmd, int(fields[16])))
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_engine_runs_nicer_than_the_event_loop(server, keyed, http):
+    """``--engine-nice 5`` (the keyed server): the engine thread and the threads it started
+    (torch's) are named dllm-engine and run 5 nicer than the rest of the server (the event
+    loop); the body-worker processes too. The default, 0 (the plain server): all at 0."""
+    for srv in (server, keyed):  # the engine has run a step (its torch threads)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert r.status_code == 200, r.text
+    for srv, nice in ((server, 0), (keyed, 5)):
+        threads = _threads(srv.proc.pid)
+        engine = [n for name, n in threads.values() if name == "dllm-engine"]
+        rest = [n for name, n in threads.values() if name != "dllm-engine"]
+        assert engine and rest, threads
+        assert set(engine) == {nice}, threads
+        assert set(rest) == {0}, threads
+        workers = [n for cmd, n in _children(srv.proc.pid) if "dllm.server.body_worker" in cmd]
+        assert workers == [nice, nice], _children(srv.proc.pid)
+
+
+def test_engine_nice_and_cpu_threads_are_checked():
+    from dllm.config import EngineConfig
+    from dllm.server.args import ServerConfig
+
+    engine = EngineConfig(model="unused")
+    assert ServerConfig(engine=engine).engine_nice == 0
+    assert ServerConfig(engine=engine, engine_nice=19, engine_cpu_threads=1).engine_nice == 19
+    for bad in ({"engine_nice": -1}, {"engine_nice": 20}, {"engine_nice": True},
+                {"engine_cpu_threads": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerConfig(engine=engine, **bad)
