@@ -42,6 +42,18 @@ prefill beside decodes, long prompts) one after another. States are per row: ``c
 ``ssm_state [rows, heads, head_dim, N]`` (fp32 unless the caller asks otherwise). Nothing is
 written in place: each call returns the new states, and the caller decides where they go
 (a denoise step of block diffusion reads the committed state and discards the new one).
+
+**Tensor parallelism** (``dllm.models.parallel``): every head's recurrence is independent of
+the others', so a mixer splits by heads (``shard_dims``). Each rank holds its heads' rows of
+``z``, ``x`` and ``dt`` in ``in_proj``, the B and C rows of the groups its heads read (split
+where the size divides ``n_groups``; a group whose heads two ranks share is held by both),
+the matching ``conv1d`` channels, its heads' ``dt_bias``, ``A_log``, ``D`` and norm channels,
+and its columns of ``out_proj``, whose output the ranks all-reduce. The gated norm needs the
+mean square over each norm group: where a group is not whole on one rank (the full-width norm
+always, Nemotron-H's per-group norm when the size does not divide ``n_groups``) the ranks add
+their per-group sums of squares (``gated_rms_norm_across``: one all-reduce of ``[T, norm
+groups]``, a number per token for the full-width norm). States are per rank: its heads'
+SSM state, its ``x | B | C`` channels' conv state.
 """
 
 from __future__ import annotations
