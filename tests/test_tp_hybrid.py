@@ -86,8 +86,9 @@ def test_heads_and_groups_per_rank():
     assert shard_dims(Mamba2Dims(48, 6, 16, 2, 16, 4, 8, 1e-5, 96), 0, 1)[0].num_heads == 6
 
 
-def test_heads_tp_does_not_divide_are_refused(ckpts):
-    """A clear error at build time, naming the heads and the size."""
+def test_what_is_not_split_is_refused(ckpts):
+    """Clear errors at build time: heads the size does not divide (naming both), and expert
+    parallelism over Nemotron-H's experts."""
     try:
         set_tensor_parallel(TensorParallel(0, 4))
         with pytest.raises(ValueError, match=r"Mamba2 mixers' heads \(6\) are not divisible "
@@ -96,6 +97,11 @@ def test_heads_tp_does_not_divide_are_refused(ckpts):
         set_tensor_parallel(TensorParallel(0, 5))
         with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 5"):
             load_model(ckpts["granite-h-micro"])
+        # Nemotron-H's per-expert MoE modules: tensor parallel only.
+        set_tensor_parallel(TensorParallel(0, 2, ep=2))
+        with pytest.raises(ValueError, match="expert parallelism over Nemotron-H MoE layers "
+                                             "is not built"):
+            load_model(ckpts["nemotron-h"])
     finally:
         set_tensor_parallel(TensorParallel())
 
