@@ -29,45 +29,86 @@ from dllm.models.decoder import AttentionSpec, SelfAttention
 from dllm.models.hybrid import HybridLM, Mamba2Layer, layer_indices
 from dllm.models.layers import RMSNorm, RopeSpec, SwiGLUMLP, VocabEmbedding, check_silu
 from dllm.models.mamba2 import Mamba2Dims
+from dllm.models.parallel import all_reduce, tensor_parallel
 from dllm.models.weights import WeightRule
 
 _LAYER = r"model\.layers\.(?P<l>\d+)\."
 
 
 class StackedWeight(nn.Module):
-    """One expert-stacked weight ``[E, out, in]`` under the checkpoint's module name."""
+    """One expert-stacked weight ``[E, out, in]`` under the checkpoint's module name. Under
+    tensor and expert parallelism it holds this rank's experts ``[first, first + E_local)``
+    and, of each, the rows (``axis`` 1) or columns (``axis`` 2) ``pieces`` name: per piece of
+    that axis in the checkpoint, ``(its size, the size here, the first index here)``."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int):
+    def __init__(self, experts: tuple[int, int, int], out_features: int, in_features: int,
+                 axis: int = 1, pieces: tuple[tuple[int, int, int], ...] | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+        self.experts, self.axis = experts, axis
+        size = (out_features, in_features)[axis - 1]
+        self.pieces = pieces or ((size, size, 0),)
+        shape = [experts[1], out_features, in_features]
+        shape[axis] = sum(local for _, local, _ in self.pieces)
+        self.weight = nn.Parameter(torch.empty(shape))
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """This rank's experts and slices of the checkpoint's ``[E, out, in]`` tensor."""
+        total, count, first = self.experts
+        full = sum(n for n, _, _ in self.pieces)
+        if tensor.ndim != 3 or tensor.shape[0] != total or tensor.shape[self.axis] != full:
+            return tensor  # not the checkpoint's layout: the shape check names it
+        tensor = tensor[first: first + count]
+        if all(n == local for n, local, _ in self.pieces):
+            return tensor
+        parts, start = [], 0
+        for n, local, at in self.pieces:
+            parts.append(tensor.narrow(self.axis, start + at, local))
+            start += n
+        return torch.cat(parts, dim=self.axis)
 
 
 class GraniteMoeHybridMoE(nn.Module):
     """``block_sparse_moe``: router ``router.layer`` ``[E, H]``; expert e computes
     ``output_linear[e] · (silu(g) · u)`` with ``g | u = input_linear[e] · x``; the output is
     ``Σ_k softmax(top-k router logits)_k · expert_k(x)``. The exact eager loop over the hit
-    experts (ascending, as the reference adds them) reads them on the host."""
+    experts (ascending, as the reference adds them) reads them on the host.
+
+    Under tensor parallelism each rank holds a slice of every expert's intermediate size
+    (``g`` and ``u`` rows of ``input_linear``, the columns of ``output_linear``); under expert
+    parallelism (``TensorParallel.ep``) ``E / ep`` whole experts, their intermediate size
+    split over the ``tp / ep`` ranks that share them, and it computes only the tokens routed
+    to them. Either way the block all-reduces its output once (the router is replicated)."""
 
     reads_host = True
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int):
         super().__init__()
         self.top_k = top_k
+        self.tp = tp = tensor_parallel()
+        self.first_expert, count = tp.experts(num_experts)
+        start, inter = tp.expert_slice(intermediate_size)
+        experts = (num_experts, count, self.first_expert)
+        half = (intermediate_size, inter, start)
         self.router = nn.Module()
         self.router.layer = nn.Linear(hidden_size, num_experts, bias=False)
-        self.input_linear = StackedWeight(num_experts, 2 * intermediate_size, hidden_size)
-        self.output_linear = StackedWeight(num_experts, hidden_size, intermediate_size)
+        self.input_linear = StackedWeight(experts, 2 * intermediate_size, hidden_size, 1,
+                                          (half, half))
+        self.output_linear = StackedWeight(experts, hidden_size, intermediate_size, 2, (half,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         top, ids = self.router.layer(x).topk(self.top_k, dim=-1)
         gates = torch.softmax(top, dim=-1).to(x.dtype)
         out = torch.zeros_like(x)
+        count = self.input_linear.weight.shape[0]
         for e in torch.unique(ids).tolist():
+            local = e - self.first_expert
+            if not 0 <= local < count:  # another expert-parallel rank's expert
+                continue
             token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.input_linear.weight[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.output_linear.weight[e])
+            gate, up = F.linear(x[token], self.input_linear.weight[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.output_linear.weight[local])
             out.index_add_(0, token, y * gates[token, slot, None])
-        return out
+        return all_reduce(out, self.tp)
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):

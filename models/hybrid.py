@@ -24,6 +24,7 @@ from dllm.models.decoder import SelfAttention
 from dllm.models.layers import LMHead, VocabEmbedding
 from dllm.models.mamba2 import Mamba2Dims, Mamba2Mixer, MambaStateSpec
 from dllm.models.ops import UsesOps
+from dllm.models.parallel import ShardedLogits
 from dllm.models.weights import SKIP_ROTARY, SKIP_TIED_HEAD, WeightRule
 
 
@@ -127,11 +128,17 @@ class HybridLM(UsesOps, nn.Module):
         tied = (SKIP_TIED_HEAD,) if self.tie_word_embeddings else ()
         return (SKIP_ROTARY, *tied, *self.checkpoint_rules)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` → ``[N, vocab]`` in the model dtype."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | ShardedLogits:
+        """``[N, hidden]`` → ``[N, vocab]`` in the model dtype; under tensor parallelism this
+        rank's vocabulary columns as ``ShardedLogits`` (as ``DecoderLM.compute_logits``)."""
         head = self.embedding() if self.lm_head is None else self.lm_head
         logits = self.ops.linear(hidden, head)
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if head.weight.shape[0] == head.vocab_size:
+            return logits
+        logits[:, head.end - head.start:] = float("-inf")  # padding rows: never chosen
+        return ShardedLogits(logits, head.start, head.vocab_size, head.tp)
 
     def _attention_layers(self) -> list[SelfAttention]:
         return [m for m in self.modules() if isinstance(m, SelfAttention)]
@@ -144,8 +151,10 @@ class HybridLM(UsesOps, nn.Module):
         return KVCacheSpec(len(attn), s.num_kv_heads, s.head_dim)
 
     def state_spec(self) -> MambaStateSpec:
-        n = sum(isinstance(m, Mamba2Layer) for m in self.modules())
-        return MambaStateSpec(n, self.mamba_dims)
+        """The state pool's shape: under tensor parallelism each rank's slots hold its own
+        heads' conv and SSM state (``Mamba2Mixer.dims``, this rank's part)."""
+        layers = [m for m in self.modules() if isinstance(m, Mamba2Layer)]
+        return MambaStateSpec(len(layers), layers[0].dims if layers else self.mamba_dims)
 
     @property
     def supports_cuda_graph(self) -> bool:

@@ -42,10 +42,23 @@ prefill beside decodes, long prompts) one after another. States are per row: ``c
 ``ssm_state [rows, heads, head_dim, N]`` (fp32 unless the caller asks otherwise). Nothing is
 written in place: each call returns the new states, and the caller decides where they go
 (a denoise step of block diffusion reads the committed state and discards the new one).
+
+**Tensor parallelism** (``dllm.models.parallel``): every head's recurrence is independent of
+the others', so a mixer splits by heads (``shard_dims``). Each rank holds its heads' rows of
+``z``, ``x`` and ``dt`` in ``in_proj``, the B and C rows of the groups its heads read (split
+where the size divides ``n_groups``; a group whose heads two ranks share is held by both),
+the matching ``conv1d`` channels, its heads' ``dt_bias``, ``A_log``, ``D`` and norm channels,
+and its columns of ``out_proj``, whose output the ranks all-reduce. The gated norm needs the
+mean square over each norm group: where a group is not whole on one rank (the full-width norm
+always, Nemotron-H's per-group norm when the size does not divide ``n_groups``) the ranks add
+their per-group sums of squares (``gated_rms_norm_across``: one all-reduce of ``[T, norm
+groups]``, a number per token for the full-width norm). States are per rank: its heads'
+SSM state, its ``x | B | C`` channels' conv state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +67,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dllm.models.layers import RowLinear
+from dllm.models.parallel import TensorParallel, all_reduce, tensor_parallel
 
 INF = float("inf")
 BATCHED_ROW_TOKENS = 64  # rows of one length up to this run as one batched pass
@@ -76,10 +92,17 @@ class Mamba2Dims:
     time_step_limit: tuple[float, float] = (0.0, INF)
     use_conv_bias: bool = True
     use_proj_bias: bool = False
+    # The heads of each group, in order, where they are not ``num_heads / n_groups`` each (a
+    # tensor-parallel rank holding whole groups and parts of groups: ``shard_dims``).
+    group_heads: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.n_groups:
+        if self.group_heads is None and self.num_heads % self.n_groups:
             raise ValueError(f"heads {self.num_heads} not a multiple of groups {self.n_groups}")
+        if self.group_heads is not None and (len(self.group_heads) != self.n_groups
+                                             or sum(self.group_heads) != self.num_heads):
+            raise ValueError(f"group_heads {self.group_heads} do not give {self.num_heads} "
+                             f"heads over {self.n_groups} groups")
         if self.intermediate_size % self.norm_group_size:
             raise ValueError("the gated norm's group size must divide intermediate_size")
 
@@ -140,6 +163,121 @@ def _limit(value: Any) -> tuple[float, float]:
         return (0.0, INF)
     lo, hi = value
     return (float(lo), float(hi))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: a rank's heads
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mamba2Shard:
+    """Where one tensor-parallel rank's part of a mixer sits in the whole one (``full``): its
+    heads are ``[head_start, head_start + heads)``, its B/C groups ``[group_start,
+    group_start + groups)`` (the groups its heads read: split where the size divides
+    ``n_groups``, else a group shared by two ranks' heads is held by both), its gated-norm
+    channels those of its heads. ``norm_across``: the norm's groups are not whole on this rank
+    (the full-width norm of Granite, Bamba and Mamba2; Nemotron-H's per-group norm when the
+    size does not divide ``n_groups``), so the ranks add their sums of squares, one
+    all-reduce of ``[tokens, norm groups]``."""
+
+    full: Mamba2Dims
+    head_start: int = 0
+    group_start: int = 0
+    norm_across: bool = False
+
+    @property
+    def channel_start(self) -> int:
+        """The first of this rank's ``z``, ``x`` and gated-norm channels in the whole mixer."""
+        return self.head_start * self.full.head_dim
+
+
+def shard_dims(dims: Mamba2Dims, rank: int, size: int) -> tuple[Mamba2Dims, Mamba2Shard]:
+    """The sizes of rank ``rank``'s part of a mixer split over ``size`` ranks by heads, and
+    where that part sits (``Mamba2Shard``). ``ValueError`` when ``size`` does not divide the
+    heads."""
+    if size == 1:
+        return dims, Mamba2Shard(dims)
+    if dims.group_heads is not None:
+        raise ValueError("a mixer already split cannot be split again")
+    if dims.num_heads % size:
+        raise ValueError(f"the Mamba2 mixers' heads ({dims.num_heads}) are not divisible by "
+                         f"the tensor-parallel size {size}; use a size that divides them")
+    heads = dims.num_heads // size
+    first = rank * heads
+    per_group = dims.num_heads // dims.n_groups
+    g0, g1 = first // per_group, (first + heads - 1) // per_group
+    counts = tuple(min((g + 1) * per_group, first + heads) - max(g * per_group, first)
+                   for g in range(g0, g1 + 1))
+    width = heads * dims.head_dim
+    across = width % dims.norm_group_size != 0
+    local = dataclasses.replace(
+        dims, num_heads=heads, n_groups=len(counts),
+        norm_group_size=width if across else dims.norm_group_size,
+        group_heads=None if len(set(counts)) == 1 else counts)
+    return local, Mamba2Shard(dims, first, g0, across)
+
+
+def per_head(t: torch.Tensor, heads: int, group_heads: tuple[int, ...] | None,
+             dim: int) -> torch.Tensor:
+    """B or C per group (the groups along ``dim``) → per head (``heads`` along ``dim``): each
+    head reads its group's values; ``group_heads`` the heads of each group where they are not
+    ``heads / groups`` each (``Mamba2Dims.group_heads``)."""
+    if group_heads is None:
+        return t.repeat_interleave(heads // t.shape[dim], dim=dim)
+    return torch.cat([t.narrow(dim, g, 1).repeat_interleave(n, dim=dim)
+                      for g, n in enumerate(group_heads)], dim=dim)
+
+
+def _take_rows(tensor: torch.Tensor, parts: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
+    """This rank's rows of a checkpoint tensor whose rows are the pieces ``parts`` (per piece:
+    its rows in the checkpoint, its rows here, the first of them), in order. A tensor of
+    another size is returned as it is (the loader's shape check names it)."""
+    if tensor.shape[0] != sum(full for full, _, _ in parts) or all(
+            full == local for full, local, _ in parts):
+        return tensor
+    pieces, start = [], 0
+    for full, local, first in parts:
+        pieces.append(tensor[start + first: start + first + local])
+        start += full
+    return torch.cat(pieces)
+
+
+class _ColumnLinear(nn.Linear):
+    """``in_proj`` split by its output rows: this rank's rows of each of ``z | x | B | C |
+    dt``."""
+
+    def __init__(self, in_features: int, parts: tuple[tuple[int, int, int], ...], bias: bool):
+        super().__init__(in_features, sum(local for _, local, _ in parts), bias=bias)
+        self.parts = parts
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        return _take_rows(tensor, self.parts)
+
+
+class _ChannelConv(nn.Conv1d):
+    """The depthwise ``conv1d`` over this rank's ``x | B | C`` channels."""
+
+    def __init__(self, parts: tuple[tuple[int, int, int], ...], kernel: int, bias: bool):
+        channels = sum(local for _, local, _ in parts)
+        super().__init__(channels, channels, kernel, groups=channels, padding=kernel - 1,
+                         bias=bias)
+        self.parts = parts
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        return _take_rows(tensor, self.parts)
+
+
+class _NormWeight(nn.Module):
+    """The gated norm's ``weight`` over this rank's channels."""
+
+    def __init__(self, parts: tuple[tuple[int, int, int], ...]):
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.ones(parts[0][1]))
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        return _take_rows(tensor, self.parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,16 +351,17 @@ def ssd_chunk(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int,
+             group_heads: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM over rows of ``T`` tokens each, in chunks of ``chunk_size``. ``x [R, T, H, P]``,
     ``dt [R, T, H]`` (discretized), ``a [H]``, ``b, c [R, T, G, N]`` (per group), ``d [H]``,
-    ``h0 [R, H, P, N]``. Returns ``y [R, T, H, P]`` (fp32, ``D·x`` included) and the final
-    states (fp32)."""
-    heads, groups = x.shape[2], b.shape[2]
-    x, b, c = x.float(), b.float(), c.float()
-    b = b.repeat_interleave(heads // groups, dim=2)
-    c = c.repeat_interleave(heads // groups, dim=2)
+    ``h0 [R, H, P, N]``; ``group_heads``: the heads of each group where they are not ``H / G``
+    each (``Mamba2Dims.group_heads``). Returns ``y [R, T, H, P]`` (fp32, ``D·x`` included)
+    and the final states (fp32)."""
+    heads = x.shape[2]
+    x = x.float()
+    b = per_head(b.float(), heads, group_heads, 2)
+    c = per_head(c.float(), heads, group_heads, 2)
     state = h0.float()
     out = []
     for s in range(0, x.shape[1], chunk_size):
@@ -245,6 +384,23 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return weight * h.view(shape).to(weight.dtype)
 
 
+def gated_rms_norm_across(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          group_size: int, first_channel: int, num_groups: int,
+                          tp: TensorParallel) -> torch.Tensor:
+    """``gated_rms_norm`` of ``y [T, C]`` holding channels ``[first_channel, first_channel +
+    C)`` of a norm of ``num_groups`` groups of ``group_size`` channels, whose groups the
+    ranks of ``tp`` hold parts of: each rank sums the squares of its channels per group, the
+    ranks add those ``[T, num_groups]`` sums (one all-reduce; ``[T, 1]`` for a full-width
+    norm) and each normalizes its own channels."""
+    h = y.float() * F.silu(z.float())
+    group = torch.arange(first_channel, first_channel + h.shape[-1],
+                         device=h.device) // group_size
+    squares = h.new_zeros(*h.shape[:-1], num_groups).index_add_(-1, group, h.square())
+    mean = all_reduce(squares, tp) / group_size
+    h = h * torch.rsqrt(mean.index_select(-1, group) + eps)
+    return weight * h.to(weight.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # The mixer
 # ---------------------------------------------------------------------------------------------
@@ -262,20 +418,31 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, dims: Mamba2Dims, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
         super().__init__()
-        self.dims = dims
-        kw = {"dtype": dtype, "device": device}
-        self.in_proj = nn.Linear(dims.hidden_size, dims.projection_size,
-                                 bias=dims.use_proj_bias, **kw)
-        self.conv1d = nn.Conv1d(dims.conv_dim, dims.conv_dim, dims.conv_kernel,
-                                groups=dims.conv_dim, padding=dims.conv_kernel - 1,
-                                bias=dims.use_conv_bias, **kw)
-        self.dt_bias = nn.Parameter(torch.ones(dims.num_heads, **kw))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, dims.num_heads + 1, **kw)))
-        self.D = nn.Parameter(torch.ones(dims.num_heads, **kw))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(dims.intermediate_size, **kw))
-        self.out_proj = nn.Linear(dims.intermediate_size, dims.hidden_size,
-                                  bias=dims.use_proj_bias, **kw)
+        # Under tensor parallelism (``dllm.models.parallel``) this rank's heads: ``dims`` are
+        # the whole mixer's, ``self.dims`` this rank's part (the same with one rank).
+        self.tp = tensor_parallel()
+        local, self.shard = shard_dims(dims, self.tp.rank, self.tp.size)
+        self.dims = local
+        sh, d = self.shard, local
+        inter = (dims.intermediate_size, local.intermediate_size, sh.channel_start)
+        groups = (dims.n_groups * dims.d_state, local.n_groups * local.d_state,
+                  sh.group_start * dims.d_state)
+        self.head_part = (dims.num_heads, local.num_heads, sh.head_start)
+        self.in_proj = _ColumnLinear(d.hidden_size, (inter, inter, groups, groups,
+                                                     self.head_part), d.use_proj_bias)
+        self.conv1d = _ChannelConv((inter, groups, groups), d.conv_kernel, d.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(d.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(
+            sh.head_start + 1, sh.head_start + d.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(d.num_heads))
+        self.norm = _NormWeight((inter,))
+        self.out_proj = RowLinear(dims.intermediate_size, d.hidden_size, bias=d.use_proj_bias)
+        if dtype != torch.float32 or device is not None:
+            self.to(dtype=dtype, device=device)
+
+    def localize(self, leaf: str, tensor: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """This rank's heads of ``dt_bias``, ``A_log`` and ``D``."""
+        return _take_rows(tensor, (self.head_part,))
 
     def zero_states(self, rows: int, ssm_dtype: torch.dtype = torch.float32
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,10 +453,16 @@ class Mamba2Mixer(nn.Module):
                 torch.zeros(self.dims.ssm_state_shape(rows), dtype=ssm_dtype, device=w.device))
 
     def _finish(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        d = self.dims
-        y = gated_rms_norm(y.reshape(y.shape[0], d.intermediate_size), z, self.norm.weight,
-                           d.norm_eps, d.norm_group_size)
-        return self.out_proj(y.to(dtype))
+        d, sh = self.dims, self.shard
+        y = y.reshape(y.shape[0], d.intermediate_size)
+        if sh.norm_across:
+            full = sh.full
+            y = gated_rms_norm_across(y, z, self.norm.weight, d.norm_eps, full.norm_group_size,
+                                      sh.channel_start,
+                                      full.intermediate_size // full.norm_group_size, self.tp)
+        else:
+            y = gated_rms_norm(y, z, self.norm.weight, d.norm_eps, d.norm_group_size)
+        return all_reduce(self.out_proj(y.to(dtype)), self.tp)
 
     def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                 extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -340,7 +513,7 @@ class Mamba2Mixer(nn.Module):
                         dt.view(rows, n, dt.shape[-1]), a,
                         b.reshape(rows, n, d.n_groups, d.d_state),
                         c.reshape(rows, n, d.n_groups, d.d_state), self.D, ssm_state,
-                        d.chunk_size)
+                        d.chunk_size, d.group_heads)
         return y, conv.to(conv_state.dtype), h.to(ssm_state.dtype)
 
     def decode(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -356,10 +529,10 @@ class Mamba2Mixer(nn.Module):
         xbc = F.silu(conv)
         x, b, c = xbc.split([d.intermediate_size, d.n_groups * d.d_state,
                              d.n_groups * d.d_state], dim=-1)
-        rows, rep = hidden.shape[0], d.num_heads // d.n_groups
+        rows = hidden.shape[0]
         x = x.float().view(rows, d.num_heads, d.head_dim)
-        b = b.float().view(rows, d.n_groups, d.d_state).repeat_interleave(rep, dim=1)
-        c = c.float().view(rows, d.n_groups, d.d_state).repeat_interleave(rep, dim=1)
+        b = per_head(b.float().view(rows, d.n_groups, d.d_state), d.num_heads, d.group_heads, 1)
+        c = per_head(c.float().view(rows, d.n_groups, d.d_state), d.num_heads, d.group_heads, 1)
         dt, a = discretize(dt, self.dt_bias, self.A_log, d.time_step_limit)  # [R, H], [H]
         h = (ssm_state.float() * torch.exp(dt * a)[:, :, None, None]
              + (dt[:, :, None] * x)[..., None] * b[:, :, None, :])

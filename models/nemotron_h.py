@@ -22,21 +22,28 @@ from dllm.models.attention import StateBatch
 from dllm.models.config import ModelConfig
 from dllm.models.decoder import AttentionSpec, SelfAttention
 from dllm.models.hybrid import HybridLM, Mamba2Layer
-from dllm.models.layers import RMSNorm, VocabEmbedding
+from dllm.models.layers import PackedLinear, RMSNorm, RowLinear, VocabEmbedding, column_parts
 from dllm.models.mamba2 import Mamba2Dims
 from dllm.models.moe import sigmoid_grouped_topk
+from dllm.models.parallel import all_reduce, tensor_parallel
 
 
 class Relu2MLP(nn.Module):
-    """``down_proj(relu(up_proj(x))²)``."""
+    """``down_proj(relu(up_proj(x))²)``. Under tensor parallelism ``up_proj`` is split by its
+    rows and ``down_proj`` by its input; the output is all-reduced (``reduce``; an expert's
+    partial output is left to its MoE block, which all-reduces once)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 reduce: bool = True):
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = PackedLinear(hidden_size, [intermediate_size], bias=bias,
+                                    parts=column_parts(intermediate_size))
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
+        self.tp, self.reduce = self.down_proj.tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        out = self.down_proj(torch.relu(self.up_proj(x)).square())
+        return all_reduce(out, self.tp) if self.reduce else out
 
 
 class NemotronHGate(nn.Module):
@@ -55,7 +62,9 @@ class NemotronHGate(nn.Module):
 
 class NemotronHMoE(nn.Module):
     """Routed relu² experts plus ``shared_experts``; the exact loop over the hit experts
-    (ascending, as the reference adds them) reads them on the host."""
+    (ascending, as the reference adds them) reads them on the host. Under tensor parallelism
+    every expert is split by its intermediate size and the block all-reduces once; expert
+    parallelism is not built for these per-expert modules (``ValueError``)."""
 
     reads_host = True
 
@@ -68,12 +77,18 @@ class NemotronHMoE(nn.Module):
         self.renormalize = config.get_bool("norm_topk_prob", True)
         self.scaling = config.get_float("routed_scaling_factor", 1.0)
         bias = config.get_bool("mlp_bias", False)
+        self.tp = tensor_parallel()
+        if self.tp.ep > 1:
+            raise ValueError("expert parallelism over Nemotron-H MoE layers is not built; "
+                             "leave --ep at 1 (tensor parallelism splits every expert by its "
+                             "intermediate size)")
         self.gate = NemotronHGate(hidden_size, e)
         self.experts = nn.ModuleList(
-            Relu2MLP(hidden_size, config.get_int("moe_intermediate_size"), bias)
+            Relu2MLP(hidden_size, config.get_int("moe_intermediate_size"), bias, reduce=False)
             for _ in range(e))
         self.shared_experts = Relu2MLP(
-            hidden_size, config.get_int("moe_shared_expert_intermediate_size"), bias)
+            hidden_size, config.get_int("moe_shared_expert_intermediate_size"), bias,
+            reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = sigmoid_grouped_topk(self.gate(x), self.top_k, self.n_group,
@@ -83,7 +98,7 @@ class NemotronHMoE(nn.Module):
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)
             out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return out.to(x.dtype) + self.shared_experts(x)
+        return all_reduce(out.to(x.dtype) + self.shared_experts(x), self.tp)
 
 
 class NemotronHBlock(nn.Module):

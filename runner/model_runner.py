@@ -184,14 +184,17 @@ class ModelRunner:
         ``state_slots_per_request`` slots per running request, out of the same memory budget as the KV cache (``budget`` bytes; None: the
         KV pages are fixed, the slots are not limited). The slots take at most half the
         budget; fewer slots than ``max_running_requests`` then bound the running requests
-        (admission waits for a free slot). Returns the bytes the pool holds."""
+        (admission waits for a free slot). Returns the bytes the pool holds. Under tensor
+        parallelism each rank's slots hold its own heads' state (``state_spec``), and the
+        ranks agree on the smallest slot count (a rank holding more B/C groups has bigger
+        slots), so every scheduler sees the same pool."""
         spec_of = getattr(self.model, "state_spec", None)
         self.state_pool = None
         if spec_of is None:
             return 0
-        if self.config.tp_size > 1 and self.config.dp_size == 1:  # Mamba2 is not split yet
-            raise NotImplementedError("tensor parallelism over hybrid Mamba2 models is not "
-                                      "built yet")
+        if self.config.dp_size > 1:  # its mixers would run replicated, untested
+            raise NotImplementedError("data-parallel attention (--dp) over hybrid Mamba2 models "
+                                      "is not built yet; use --tp")
         spec, cfg = spec_of(), self.config
         dims = spec.dims
         conv, ssm = dims.conv_state_shape(1)[1:], dims.ssm_state_shape(1)[1:]
@@ -204,6 +207,10 @@ class ModelRunner:
                 raise ValueError(f"the memory budget ({budget / 2**30:.2f} GiB) is too small for "
                                  f"one recurrent-state slot ({per_slot / 2**20:.1f} MiB, at most "
                                  "half the budget)")
+        if cfg.tp_size > 1:
+            agreed = torch.tensor([slots], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            slots = int(agreed.item())
         self.state_pool = MambaStatePool(slots, spec.num_layers, conv, ssm, cfg.dtype,
                                          spec.ssm_dtype, self.device)
         logger.info("state pool: %d slots of %.2f MiB (%.1f MiB)", slots, per_slot / 2**20,
