@@ -120,6 +120,11 @@ class EngineConfig:
         "help": "sets the MoE experts split into (each of the --tp ranks holds E/ep whole "
                 "experts, their intermediate size split over tp/ep ranks; one all-reduce per "
                 "layer as with tensor parallelism); must divide --tp; dense models ignore it"})
+    context_parallel_size: int = field(default=1, metadata={
+        "aliases": ("--cp", "--cp-size"),
+        "help": "ranks that split each prompt prefill's tokens (zigzag; each rank attends "
+                "its tokens to the all-gathered K/V and keeps the whole KV cache, denoise and "
+                "decode steps run unsplit on every rank); not combined with --tp yet"})
     nnodes: int = field(default=1, metadata={
         "help": "hosts the tensor-parallel ranks span (each starts `dllm serve` with the same "
                 "flags and its own --node-rank; --tp ranks are split evenly)"})
@@ -144,7 +149,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens",
-                     "tensor_parallel_size", "expert_parallel_size", "nnodes",
+                     "tensor_parallel_size", "expert_parallel_size", "context_parallel_size",
+                     "nnodes",
                      "state_track_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -166,9 +172,14 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the experts "
                              "split over the tensor-parallel ranks)")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split "
-                             f"evenly over nnodes {self.nnodes}")
+        if self.context_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"context_parallel_size {self.context_parallel_size} with "
+                             f"tensor_parallel_size {self.tensor_parallel_size}: context and "
+                             "tensor parallelism are not combined yet; use one of them")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor_parallel_size × "
+                             f"context_parallel_size) do not split evenly over nnodes "
+                             f"{self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -194,6 +205,11 @@ class EngineConfig:
             raise ValueError("algorithm_config must be a dict")
         # Frozen, but the dict inside could still be mutated by the caller: take a copy.
         object.__setattr__(self, "algorithm_config", dict(self.algorithm_config))
+
+    @property
+    def world_size(self) -> int:
+        """The ranks (processes) of one engine."""
+        return self.tensor_parallel_size * self.context_parallel_size
 
     @classmethod
     def field_names(cls) -> set[str]:

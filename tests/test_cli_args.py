@@ -43,6 +43,7 @@ ENGINE_FLAGS = {
     "--disable-overlap-schedule": ("overlap_schedule", None, None, None, 0, False),
     "--tensor-parallel-size": ("tensor_parallel_size", 1, "int", None, None, None),
     "--expert-parallel-size": ("expert_parallel_size", 1, "int", None, None, None),
+    "--context-parallel-size": ("context_parallel_size", 1, "int", None, None, None),
     "--nnodes": ("nnodes", 1, "int", None, None, None),
     "--node-rank": ("node_rank", 0, "int", None, None, None),
     "--dist-init-addr": ("dist_init_addr", None, None, None, None, None),
@@ -52,7 +53,8 @@ ENGINE_FLAGS = {
 # Other spellings users bring from vLLM and SGLang.
 ENGINE_ALIASES = {"--context-length": ["--max-model-len"],
                   "--tensor-parallel-size": ["--tp", "--tp-size"],
-                  "--expert-parallel-size": ["--ep", "--ep-size"]}
+                  "--expert-parallel-size": ["--ep", "--ep-size"],
+                  "--context-parallel-size": ["--cp", "--cp-size"]}
 COMMANDS = ("generate", "serve", "chat", "eval")
 
 
