@@ -273,16 +273,26 @@ def test_engine_tokens_equal_single_process(cp_results, single_tokens, arch, siz
 
 def test_llm_with_cp_flag_starts_its_ranks(ckpts, single_tokens):
     """``LLM(..., context_parallel_size=2)``: the launcher starts the second rank; tokens
-    equal the single process's, and shutting down ends the worker."""
+    equal the single process's, logprobs too (every rank has whole logits: nothing is
+    refused), and shutting down ends the worker."""
     from dllm.llm import LLM
 
     arch = "SDARForCausalLM"
+    traced = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    want = LLM(ckpts[arch], **ENGINE_ARGS).generate(PROMPTS[:2], traced)
     llm = LLM(ckpts[arch], context_parallel_size=2, **ENGINE_ARGS)
     try:
         worker = llm.engine.ranks.workers[0]
         assert llm.engine.runner.context_parallel == ContextParallel(0, 2)
         got = llm.generate(PROMPTS, SamplingParams(**PARAMS[arch][0]))
         assert [o.token_ids for o in got] == single_tokens[arch][0]
+        got = llm.generate(PROMPTS[:2], traced)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want, strict=True):
+            assert len(g.logprobs) == len(w.logprobs) == 4
+            for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
         llm.engine.check_memory()
     finally:
         llm.engine.shutdown()
