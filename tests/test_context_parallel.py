@@ -1,7 +1,8 @@
 """Context-parallel prefill on CPU over Gloo: an ``EXTEND`` split over 2 or 3 ranks (zigzag)
 gives the single-process logits and writes the single-process K/V into every rank's cache, for
 block-causal (SDAR), causal (Qwen3) and full attention (LLaDA); engines of 2 and 3 ranks give
-the single-process tokens, greedy and sampled.
+the single-process tokens, greedy and sampled (and for a Granite-H hybrid, whose prefills run
+unsplit).
 
 One ``torch.multiprocessing`` spawn per group size (2, then 3) runs everything of that size:
 the model-level prefills, then an ``Engine`` replica per family on every rank (rank 0 drives
@@ -43,7 +44,7 @@ PAGE = 4
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cp")
-    return {arch: str(make_tiny_checkpoint(arch, root / arch, seed=1)) for arch in MASKS}
+    return {arch: str(make_tiny_checkpoint(arch, root / arch, seed=1)) for arch in PARAMS}
 
 
 # ---- the split --------------------------------------------------------------------------
@@ -173,6 +174,9 @@ PARAMS = {
     "LLaDAModelLM": [dict(max_new_tokens=8, ignore_eos=True, dllm={"steps": 4, "block_size": 4}),
                      dict(max_new_tokens=8, ignore_eos=True, temperature=0.7, seed=2,
                           dllm={"steps": 4, "block_size": 4, "cache_mode": "dual"})],
+    # A hybrid: its prefills run unsplit (the Mamba2 layers' state), the same on every rank.
+    "GraniteMoeHybridForCausalLM": [dict(max_new_tokens=8),
+                                    dict(max_new_tokens=8, temperature=0.8, seed=4)],
 }
 
 
@@ -205,8 +209,8 @@ def _rank_main(rank: int, world: int, port: int, ckpts: dict[str, str], out: str
                             world_size=world, timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     cp = ContextParallel(rank, world)
-    for arch, ckpt in ckpts.items():
-        model, _, _ = load_model(ckpt)
+    for arch in MASKS:
+        model, _, _ = load_model(ckpts[arch])
         got = prefill_twice(model, MASKS[arch], cp)
         torch.save(got, Path(out) / f"{arch}-cp{world}-rank{rank}.pt")
     for arch, ckpt in ckpts.items():
@@ -265,7 +269,7 @@ def single_tokens(ckpts) -> dict[str, list[list[list[int]]]]:
 
 
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("arch", sorted(MASKS))
+@pytest.mark.parametrize("arch", sorted(PARAMS))
 def test_engine_tokens_equal_single_process(cp_results, single_tokens, arch, size):
     got = torch.load(cp_results / f"{arch}-cp{size}-tokens.pt")
     assert got == single_tokens[arch]
