@@ -134,6 +134,11 @@ class EngineConfig:
                 "attention and LM head replicated; the MLP / MoE layers are split over all of "
                 "them (as under --tp, experts by --ep), a rank with nothing to run joining them "
                 "with an empty IDLE forward. --tp defaults to --dp and may only equal it"})
+    context_parallel_size: int = field(default=1, metadata={
+        "aliases": ("--cp", "--cp-size"),
+        "help": "ranks that split each prompt prefill's tokens (zigzag; each rank attends "
+                "its tokens to the all-gathered K/V and keeps the whole KV cache, denoise and "
+                "decode steps run unsplit on every rank); not combined with --tp yet"})
     nnodes: int = field(default=1, metadata={
         "help": "hosts the tensor-parallel ranks span (each starts `dllm serve` with the same "
                 "flags and its own --node-rank; --tp ranks are split evenly)"})
@@ -165,6 +170,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "page_size", "max_prefill_tokens",
                      "tensor_parallel_size", "expert_parallel_size", "data_parallel_size",
+                     "context_parallel_size",
                      "nnodes",
                      "state_track_interval"):
             v = getattr(self, name)
@@ -183,6 +189,10 @@ class EngineConfig:
                 raise ValueError("cuda_graph_batch_sizes must be positive integers, got "
                                  f"{self.cuda_graph_batch_sizes!r}")
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
+        if self.data_parallel_size > 1 and self.context_parallel_size > 1:
+            raise ValueError(f"context_parallel_size {self.context_parallel_size} with "
+                             f"data_parallel_size {self.data_parallel_size}: context and data "
+                             "parallelism are not combined yet; use one of them")
         if self.data_parallel_size > 1:
             if self.tensor_parallel_size == 1:  # --dp N alone: N ranks
                 object.__setattr__(self, "tensor_parallel_size", self.data_parallel_size)
@@ -195,9 +205,14 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide "
                              f"tensor_parallel_size {self.tensor_parallel_size} (the experts "
                              "split over the tensor-parallel ranks)")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split "
-                             f"evenly over nnodes {self.nnodes}")
+        if self.context_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"context_parallel_size {self.context_parallel_size} with "
+                             f"tensor_parallel_size {self.tensor_parallel_size}: context and "
+                             "tensor parallelism are not combined yet; use one of them")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor_parallel_size × "
+                             f"context_parallel_size) do not split evenly over nnodes "
+                             f"{self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -223,6 +238,11 @@ class EngineConfig:
             raise ValueError("algorithm_config must be a dict")
         # Frozen, but the dict inside could still be mutated by the caller: take a copy.
         object.__setattr__(self, "algorithm_config", dict(self.algorithm_config))
+
+    @property
+    def world_size(self) -> int:
+        """The ranks (processes) of one engine."""
+        return self.tensor_parallel_size * self.context_parallel_size
 
     @classmethod
     def field_names(cls) -> set[str]:

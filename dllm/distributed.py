@@ -139,19 +139,20 @@ class RankGroup:
 
 def launch(config: Any, device: torch.device) -> RankGroup:
     """This process's place among the ranks of ``config``, starting the worker processes it
-    hosts. Three ways in: one host (``tensor_parallel_size`` ranks, this process rank 0);
+    hosts. Three ways in: one host (``world_size`` ranks: tensor- or context-parallel, this
+    process rank 0);
     several hosts (``nnodes``: each starts the ranks of its share; node 0's process is rank 0,
     another node's process hosts its ranks until they end and then exits); torchrun (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` in the environment: every
     process is one rank; rank 0 returns, the others run as workers and exit)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _launch_torchrun(config, device)
-    world = config.tensor_parallel_size
+    world = config.world_size
     if world == 1:
         return RankGroup(0, 1)
     if dist.is_initialized():
-        raise ValueError("one tensor-parallel engine per process: shut the other down first "
-                         "(Engine.shutdown)")
+        raise ValueError("one multi-rank (tensor- or context-parallel) engine per process: "
+                         "shut the other down first (Engine.shutdown)")
     per_node = world // config.nnodes
     if device.type == "cuda" and torch.cuda.device_count() < per_node:
         raise ValueError(f"{per_node} ranks on this host need {per_node} GPUs; "
@@ -183,8 +184,9 @@ def _start_worker(config: Any, rank: int, world: int, addr: str,
 
 def _launch_torchrun(config: Any, device: torch.device) -> RankGroup:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if config.tensor_parallel_size not in (1, world):
-        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} but torchrun "
+    if config.world_size not in (1, world):
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} × "
+                         f"context_parallel_size {config.context_parallel_size} but torchrun "
                          f"started {world} processes")
     addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     if rank > 0:
@@ -194,7 +196,9 @@ def _launch_torchrun(config: Any, device: torch.device) -> RankGroup:
 
 
 def _kind(config: Any) -> str:
-    return "data-parallel" if config.data_parallel_size > 1 else "tensor-parallel"
+    if config.data_parallel_size > 1:
+        return "data-parallel"
+    return "context-parallel" if config.context_parallel_size > 1 else "tensor-parallel"
 
 
 def _watch_workers(group: RankGroup) -> None:

@@ -63,6 +63,8 @@ class Engine:
         self.device = cfg.resolve_device()
         # Tensor parallelism: rank 0 starts the other ranks (``dllm.distributed``).
         self.ranks = ranks if ranks is not None else launch(cfg, self.device)
+        # Under torchrun the ranks started are the tensor-parallel ones unless --cp splits them.
+        self.tp_size = self.ranks.world // cfg.context_parallel_size
         self.dtype = cfg.resolve_dtype(self.device)
         path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.tokenizer or path, cfg.chat_template)
@@ -100,7 +102,7 @@ class Engine:
         self.requests = RequestFactory(self.tokenizer, self.info, layout, self.task,
                                        self.context_length, self.scheduler.check_fits,
                                        lambda: self.step_count, cfg.seed,
-                                       self.ranks.world // self.dp_size)
+                                       self.tp_size // self.dp_size)
         self.make_request, self.make_embed_request = (self.requests.make_request,
                                                       self.requests.make_embed_request)
         self.tokenize, self.apply_chat_template = (self.requests.tokenize,
@@ -141,9 +143,11 @@ class Engine:
             block_size=self.block_size, graph_kind=graph_kind,
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-            cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes, tp_rank=self.ranks.rank,
-            tp_size=self.ranks.world, ep_size=cfg.expert_parallel_size,
-            dp_size=self.dp_size, cpu_group=self.ranks.control,
+            cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
+            tp_rank=self.ranks.rank if self.tp_size > 1 else 0, tp_size=self.tp_size,
+            ep_size=cfg.expert_parallel_size, dp_size=self.dp_size, cpu_group=self.ranks.control,
+            cp_rank=self.ranks.rank if cfg.context_parallel_size > 1 else 0,
+            cp_size=cfg.context_parallel_size,
             # committed + track slots per request, and one more for the cache's snapshots
             state_slots_per_request=2 + self.num_track_slots if self.num_track_slots else 1)
 

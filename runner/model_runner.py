@@ -29,6 +29,7 @@ from dllm.models.parallel import (
     set_tensor_parallel,
 )
 from dllm.runner.attention import make_backend, resolve_backend_name, triton_available
+from dllm.runner.context_parallel import ContextParallel
 from dllm.runner.forward_batch import (
     ForwardBatch,
     ForwardMode,
@@ -96,6 +97,8 @@ class RunnerConfig:
     # ``cpu_group``: the Gloo group the per-forward token counts cross (None: the default).
     dp_size: int = 1
     cpu_group: Any = None
+    cp_rank: int = 0  # this rank among the context-parallel ranks (``context_parallel``)
+    cp_size: int = 1
     # Hybrid models: recurrent-state slots per running request (the committed slot, and with
     # the prefix cache its track slots and room for the cache's snapshots).
     state_slots_per_request: int = 1
@@ -133,6 +136,7 @@ class ModelRunner:
             set_tensor_parallel(mlp_tp)
             set_data_parallel(DataParallel())
         self.dp = data_parallel()
+        self.context_parallel = ContextParallel(config.cp_rank, config.cp_size)
         self.model, _, _ = load_model(config.model_path, dtype=config.dtype, device=self.device,
                                       load_format=config.load_format, seed=config.seed)
         self.model.eval()
@@ -169,7 +173,7 @@ class ModelRunner:
             budget = budget_gb * 2**30 - self._init_state_pool(budget_gb * 2**30)
             pages = (min(want, int(budget // (per_token * page)) + 1) if per_token
                      else want)  # no attention layer (Mamba2): pages only count tokens
-        if cfg.tp_size > 1:  # every rank's scheduler must see the same pool: the smallest
+        if cfg.tp_size * cfg.cp_size > 1:  # every rank's scheduler must see the same pool
             agreed = torch.tensor([pages], device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
             pages = int(agreed.item())
@@ -330,12 +334,17 @@ class ModelRunner:
             self.join_peers()
 
     def run_model(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states ``[T, H]`` and the logits the batch asks for."""
-        fb.attn_backend.prepare(fb)
-        fb.memo.clear()
-        self.dp.exchange(int(fb.input_ids.shape[0]))
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        self.dp.close()
+        """Hidden states ``[T, H]`` and the logits the batch asks for. Under context
+        parallelism an ``EXTEND`` (not a hybrid's: its Mamba layers run unsplit) is split
+        over the ranks, and its hidden states gathered before the LM head."""
+        if self.context_parallel.splits(fb.mode) and self.state_pool is None:
+            hidden = self.context_parallel.forward(self.model, fb)
+        else:
+            fb.attn_backend.prepare(fb)
+            fb.memo.clear()
+            self.dp.exchange(int(fb.input_ids.shape[0]))
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+            self.dp.close()
         if fb.logits_mode is LogitsMode.NONE:
             return hidden, None
         if fb.logits_mode is LogitsMode.LAST:

@@ -44,6 +44,7 @@ ENGINE_FLAGS = {
     "--tensor-parallel-size": ("tensor_parallel_size", 1, "int", None, None, None),
     "--expert-parallel-size": ("expert_parallel_size", 1, "int", None, None, None),
     "--data-parallel-size": ("data_parallel_size", 1, "int", None, None, None),
+    "--context-parallel-size": ("context_parallel_size", 1, "int", None, None, None),
     "--nnodes": ("nnodes", 1, "int", None, None, None),
     "--node-rank": ("node_rank", 0, "int", None, None, None),
     "--dist-init-addr": ("dist_init_addr", None, None, None, None, None),
@@ -54,7 +55,8 @@ ENGINE_FLAGS = {
 ENGINE_ALIASES = {"--context-length": ["--max-model-len"],
                   "--tensor-parallel-size": ["--tp", "--tp-size"],
                   "--expert-parallel-size": ["--ep", "--ep-size"],
-                  "--data-parallel-size": ["--dp", "--dp-size"]}
+                  "--data-parallel-size": ["--dp", "--dp-size"],
+                  "--context-parallel-size": ["--cp", "--cp-size"]}
 COMMANDS = ("generate", "serve", "chat", "eval")
 
 
