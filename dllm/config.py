@@ -45,7 +45,8 @@ class EngineConfig:
         the block-causal mask: one forward fewer per block, the same tokens. Not for
         shifted-logits models (Fast-dLLM v2 reads the next block's first token from its
         commit pass) or algorithms that edit a filled block (``joint_threshold``); False:
-        always a separate commit forward.
+        always a separate commit forward. ``None``: merged on the CPU only -- on CUDA,
+        captured steps next to merged rows did not yet equal eager ones on the H200.
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
     enable_prefix_cache: reuse the KV (and a hybrid's state) of prompt prefixes other
@@ -152,11 +153,12 @@ class EngineConfig:
         "help": "read each step's result before queueing the next (default on CUDA: the host "
                 "builds the next step while the device runs this one)"})
 
-    merged_commit: bool = field(default=True, metadata={
+    merged_commit: bool | None = field(default=None, metadata={
         "flag": "--disable-merged-commit", "const": False,
         "help": "block diffusion: run each block's commit forward as its own forward instead "
-                "of inside the next block's first denoise step (one 2·block-size row; the "
-                "default, one forward fewer per block, the same tokens)"})
+                "of inside the next block's first denoise step (one 2·block-size row, one "
+                "forward fewer per block, the same tokens; the default on the CPU, not yet "
+                "on CUDA)"})
 
     enable_prefix_cache: bool = field(default=True, metadata={
         "flag": "--disable-prefix-cache", "const": False,

@@ -41,6 +41,7 @@ ENGINE_FLAGS = {
     "--cuda-graph-max-bs": ("cuda_graph_max_bs", None, "int", None, None, None),
     "--cuda-graph-bs": ("cuda_graph_batch_sizes", None, "int", None, "+", None),
     "--disable-overlap-schedule": ("overlap_schedule", None, None, None, 0, False),
+    "--disable-merged-commit": ("merged_commit", None, None, None, 0, False),
     "--tensor-parallel-size": ("tensor_parallel_size", 1, "int", None, None, None),
     "--expert-parallel-size": ("expert_parallel_size", 1, "int", None, None, None),
     "--data-parallel-size": ("data_parallel_size", 1, "int", None, None, None),
