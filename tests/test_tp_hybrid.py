@@ -284,10 +284,9 @@ def test_autoregressive_tokens_equal_single_process(engines, tp):
     assert pool.num_free == pool.num_slots
 
 
-# A fixed step count, a confidence threshold, and joint_threshold, which may still edit a
-# block with no mask left (in denoise steps, which write no state).
-BD_ALGORITHMS = {2: ["low_confidence_static", "threshold", "joint_threshold"],
-                 3: ["low_confidence_static", "threshold"]}
+# Every unmasking algorithm of tests/test_engine.py (joint_threshold may still edit a block
+# with no mask left, in denoise steps, which write no state).
+BD_ALGORITHMS = {2: sorted(ALGORITHMS), 3: sorted(ALGORITHMS)}
 
 
 def _bd_params(algorithm: str, i: int = 0) -> SamplingParams:
