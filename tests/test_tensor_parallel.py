@@ -186,6 +186,11 @@ def test_full_attention_tp2(engines, dllm):
                                                      dllm=dllm))
 
 
+def test_full_attention_tp3(engines):
+    _same(engines, "LLaDAModelLM", 3, SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                                     dllm={"steps": 4, "block_size": 4}))
+
+
 # ---- logits -------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
