@@ -6,10 +6,12 @@ short, exact answer: the bare result, no sentence around it (``"42"``, ``"tenalp
 ``generate(family, n, seed)`` is deterministic: the same arguments give the same list on every
 machine and Python version (``random.Random`` seeded with a string is hash-seed independent).
 The training corpus (``scripts/train_builtin.py``) and the evaluation (``dllm eval``) draw from
-the same generator with different seeds. ``held_out=True`` asks in other words: templates that
-training never uses (written with the words of the training templates), and words sometimes
-Capitalised or in CAPITALS (sorting then ignores case, and counting a letter counts it in
-either case) -- how the model copes with phrasings it was not trained on.
+the same generator with different seeds. Training questions are composed (lead-in, frame,
+operand phrasing, closing, casing and punctuation noise; words sometimes Capitalised or in
+CAPITALS, so sorting ignores case and counting a letter counts it in either case).
+``held_out=True`` asks in other words: templates training never produces (by ``skeleton``),
+designed ones and natural ones written without seeing the training phrasings -- how the model
+copes with phrasings it was not trained on.
 """
 
 from __future__ import annotations
