@@ -186,6 +186,21 @@ def test_full_attention_tp2(engines, dllm):
                                                      dllm=dllm))
 
 
+def test_dream_tp2(engines, tmp_path):
+    """Dream (full attention, shifted logits) end to end: the engines above are not kept."""
+    engines.release()
+    d = str(make_tiny_checkpoint("DreamModel", tmp_path / "dream", seed=1, hidden_size=96,
+                                 num_attention_heads=6, num_key_value_heads=6,
+                                 intermediate_size=96))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = _tokens(LLM(d, max_running_requests=4, page_size=4), params)
+    llm = LLM(d, max_running_requests=4, page_size=4, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, params) == want
+    finally:
+        llm.engine.shutdown()
+
+
 def test_full_attention_tp3(engines):
     _same(engines, "LLaDAModelLM", 3, SamplingParams(max_new_tokens=8, ignore_eos=True,
                                                      dllm={"steps": 4, "block_size": 4}))
