@@ -117,7 +117,7 @@ def test_staggered_arrivals_and_uneven_lengths(dp, single):
     while rank 1 finishes it. Greedy and sampled tokens equal those of each request alone in
     one process."""
     for params in (SamplingParams(max_new_tokens=12, ignore_eos=True),):
-        lengths = [4, 12, 4]
+        lengths = [4, 24, 4]
         reqs = [dp.engine.make_request(p, _with_len(params, n))
                 for p, n in zip(PROMPTS, lengths, strict=True)]
         before = _forwards(dp)

@@ -254,13 +254,15 @@ def test_hybrid_committed_state_equals_the_separate_commit(paths) -> None:
 
 
 def test_opt_out_flag_is_on_the_command_line() -> None:
+    """No flag: the engine decides by device (merged on the CPU, ``tests/test_engine.py`` counts
+    it); ``--disable-merged-commit``: always separate."""
     import argparse
 
     from dllm.cli_args import add_engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_config_from_args(p.parse_args([])).merged_commit is True
+    assert engine_config_from_args(p.parse_args([])).merged_commit is None  # by device
     assert engine_config_from_args(p.parse_args(["--disable-merged-commit"])).merged_commit is False
 
 
