@@ -235,9 +235,15 @@ def test_trust_remote_code_is_accepted_with_a_note(batch):
         "(every architecture is implemented here)"]
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C as at a terminal. A suite started in the background by a
+    non-interactive shell inherits SIGINT ignored, and the CLI rightly keeps it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(cmd: list[str], cwd: Path, ready) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 120
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
