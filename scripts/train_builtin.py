@@ -77,6 +77,7 @@ from dllm import tasks  # noqa: E402
 from dllm.models.attention import AttentionLayer  # noqa: E402
 from dllm.models.config import ModelConfig  # noqa: E402
 from dllm.models.granite_hybrid import GraniteMoeHybridForCausalLM  # noqa: E402
+from dllm.models.loader import load_weights  # noqa: E402
 from dllm.models.mamba2 import (  # noqa: E402
     Mamba2Mixer,
     discretize,
@@ -99,8 +100,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # Relative frequency of each family in the corpus: arithmetic is the hardest to learn.
-FAMILY_WEIGHTS = {"add": 1.5, "sub": 1.5, "compare": 1.0, "reverse": 1.0, "sort": 1.2,
-                  "count": 1.0, "greeting": 0.03}
+FAMILY_WEIGHTS = {"add": 1.5, "sub": 1.5, "compare": 1.0, "reverse": 1.1, "sort": 1.7,
+                  "count": 1.2, "greeting": 0.03}
 MULTI_TURN_FRACTION = 0.1  # examples with 1-2 earlier exchanges in the prompt
 
 
@@ -719,6 +720,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mamba-d-state", type=int, default=32)
     p.add_argument("--nope", action="store_true",
                    help="--hybrid: attention without positions (Granite 4.0-H's own choice)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start from this checkpoint (its config and tokenizer; the size flags "
+                        "are ignored) instead of a fresh initialisation: a second run that "
+                        "continues a first, with its own warm-up and schedule")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
@@ -766,8 +771,11 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
 
     t0 = time.time()
-    sample = [p + r for p, r in conversations(2000, args.seed, 0)]
-    tok = train_tokenizer(sample)
+    src = Path(args.init_from) if args.init_from else None
+    if src is not None:  # warm start: the checkpoint's own tokenizer and config
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    else:
+        tok = train_tokenizer([p + r for p, r in conversations(2000, args.seed, 0)])
     corpus = build_corpus(tok, args.train_examples, args.seed, args.block_size, buckets,
                           args.workers)
     counts = {L: len(c[0]) for L, c in corpus.items()}
@@ -778,7 +786,16 @@ def main(argv: list[str] | None = None) -> dict:
     weights = torch.tensor([float(counts[L]) for L in lengths])
     masks = {L: block_diffusion_mask(L, args.block_size, device) for L in lengths}
 
-    if args.hybrid:
+    if src is not None:
+        config = json.loads((src / "config.json").read_text())
+        if (config["model_type"] == "granitemoehybrid") != args.hybrid:
+            raise SystemExit(f"--init-from {src}: a {config['model_type']} checkpoint; "
+                             f"{'drop' if args.hybrid else 'add'} --hybrid")
+        cls = GraniteMoeHybridForCausalLM if args.hybrid else SDARForCausalLM
+        model = load_weights(cls(ModelConfig(config)), src, torch.float32).to(device)
+        model.requires_grad_(True)  # the loader fills parameters for inference
+        print(f"initialised from {src}", flush=True)
+    elif args.hybrid:
         config = hybrid_config(args, tok)
         model = GraniteMoeHybridForCausalLM(ModelConfig(config))  # torch's default init
         init_mamba(model, torch.Generator().manual_seed(args.seed))
@@ -865,6 +882,9 @@ def main(argv: list[str] | None = None) -> dict:
                "train_seconds": round(train_s, 1), "final_loss": final_loss,
                "eval_seed": tasks.EVAL_SEED, "eval_per_family": args.eval_per_family,
                "eval_seconds": round(time.time() - t_eval, 1), "metrics": metrics}
+    if src is not None:  # the run this one continues, and its own (recursively)
+        prev = src / "train_metrics.json"
+        summary["initialised_from"] = json.loads(prev.read_text()) if prev.exists() else str(src)
     print("final:", json.dumps(summary, indent=2), flush=True)
     (out / "train_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -116,12 +116,14 @@ def test_task_generator_is_deterministic():
     assert tasks.generate("add", 50, 7) != tasks.generate("add", 50, 8)
     # Pinned values: the generator must not drift, or the eval would change under the model.
     assert tasks.generate("add", 3, 0) == [
-        ("hey there, can you compute 87 added to 592?", "679"),
-        ("Whats the sum of 691 and 722", "1413"), ("Find the sum of 51 and 8.", "59")]
+        ("Hmm, Can you compute 87 added to 592", "679"),
+        ("Compute 132 plus 53 together!", "185"),
+        ("What is the total when you add the numbers 44 and 933?", "977")]
     assert tasks.generate("sort", 1, 0) == [
-        ("Alphabetically, how do the list Cake, grey, pump go?", "Cake, grey, pump")]
+        ("excuse me, can you organize (Cake, grey, pump) in alphabetic order?",
+         "Cake, grey, pump")]
     assert tasks.generate("sort", 2, 3, held_out=True)[0] == (
-        "Sort this list of words: town, Mask, Wall, Hair", "Hair, Mask, town, Wall")
+        "In alphabetical order, town, Mask, Wall, Hair are", "Hair, Mask, town, Wall")
     with pytest.raises(ValueError, match="unknown task family"):
         tasks.generate("poetry", 1, 0)
 
@@ -131,12 +133,19 @@ HELD_OUT_GROUPS = {
     "sort": ("SORT",), "count": ("LENGTH", "OCCURRENCE")}
 
 
-def _value_free(text: str, family: str) -> str:
+# Words the templates themselves use ("list", "order"): never taken for a value.
+TEMPLATE_WORDS = {w for name in dir(tasks) if name.endswith(("_PHRASES", "_HELD_OUT"))
+                  for t in getattr(tasks, name) for w in re.findall(r"[a-z]+", t.lower())}
+
+
+def _value_free(text: str, family: str, template_words: bool = False) -> str:
     """A question or template with its values replaced by kinds: numbers N, task words W (a
-    list of them one W; word families only), single letters C (and their plurals); then ``tasks.skeleton``. A
+    list of them one W; word families only; not the words templates use unless
+    ``template_words``), single letters C (and their plurals); then ``tasks.skeleton``. A
     different path from the generator's own check, which compares templates before their
     values go in."""
-    words = "|".join(sorted(tasks.WORDS, key=len, reverse=True))
+    vocab = set(tasks.WORDS) if template_words else set(tasks.WORDS) - TEMPLATE_WORDS
+    words = "|".join(sorted(vocab, key=len, reverse=True))
     text = re.sub(r"\d+", " nn ", text.lower())
     if family in ("reverse", "sort", "count"):
         text = re.sub(rf"\b({words})\b", " ww ", text)
@@ -154,27 +163,39 @@ def test_held_out_templates_are_never_training_questions():
         assert len(train) > 150, family  # the composed phrasings are many
         assert not held & train, (family, sorted(held & train)[:5])
         # ...and the held-out stream draws its questions from those templates alone
-        got = {_value_free(q, family) for q, _ in tasks.generate(family, 500, 1, held_out=True)}
+        held = {_value_free(t.format(**values), family, True) for g in groups
+                for t in getattr(tasks, f"{g}_HELD_OUT")}
+        got = {_value_free(q, family, True)
+               for q, _ in tasks.generate(family, 500, 1, held_out=True)}
         assert got <= held, family
 
 
 def test_natural_templates_split_by_the_training_phrasings():
     """The independently written phrasings: a template whose skeleton is a training phrasing's
-    counts as trained; every other one is held out; none is lost."""
+    counts as trained (the first set against the grammar written before it was seen, the second
+    against the whole grammar); every other one is held out; none is lost."""
     for groups in HELD_OUT_GROUPS.values():
         for g in groups:
-            natural = getattr(tasks, f"{g}_NATURAL")
-            trained = {tasks.skeleton(t) for t in getattr(tasks, f"{g}_PHRASES")}
             held = getattr(tasks, f"{g}_HELD_OUT")
-            assert len(natural) >= 12 and set(held) >= set(getattr(tasks, f"{g}_DESIGNED"))
-            for t in natural:
-                assert (t in held) != (tasks.skeleton(t) in trained), t
+            assert set(held) >= set(getattr(tasks, f"{g}_DESIGNED"))
+            assert set(getattr(tasks, f"_{g}_FIRST")) < set(getattr(tasks, f"{g}_PHRASES"))
+            first = {tasks.skeleton(t) for t in getattr(tasks, f"_{g}_FIRST")}
+            assert len(getattr(tasks, f"{g}_NATURAL")) >= 12
+            for t in getattr(tasks, f"{g}_NATURAL"):
+                assert (t in held) != (tasks.skeleton(t) in first), t
+            # Training produces the grammar's phrasings less the held-out ones.
+            held_skeletons = {tasks.skeleton(t) for t in held}
+            trained = {tasks.skeleton(t) for t in getattr(tasks, f"{g}_PHRASES")}
+            trained -= held_skeletons
+            assert len(getattr(tasks, f"{g}_NATURAL2")) == 30
+            for t in getattr(tasks, f"{g}_NATURAL2"):
+                assert (tasks.skeleton(t) in held_skeletons) != (tasks.skeleton(t) in trained), t
 
 
 def _minuend_first(q: str) -> bool:
     """Whether the first number in a subtraction question is the one subtracted from."""
     low = q.lower()
-    m = re.search(r"from\D*?(\d+)", low) or re.search(r"less than\D*?(\d+)", low)
+    m = re.search(r"(?:from|out of|off)\D*?(\d+)", low) or re.search(r"less than\D*?(\d+)", low)
     return m is None or m.start(1) == re.search(r"\d+", low).start()
 
 
