@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.models.layers import RowLinear
+from dllm.models.ops import UsesOps
 from dllm.models.parallel import TensorParallel, all_reduce, tensor_parallel
 
 INF = float("inf")
@@ -406,14 +407,16 @@ def gated_rms_norm_across(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
 # ---------------------------------------------------------------------------------------------
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(nn.Module, UsesOps):
     """One Mamba2 mixer with the checkpoints' parameter names (``in_proj``, ``conv1d``,
     ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``), so a state dict under
     ``…mamba.`` (Granite, Bamba) or ``…mixer.`` (Nemotron-H, Mamba2) loads as it is.
 
     ``forward`` runs rows of any length from given states (prefill, chunked prefill, a block
     of block diffusion); ``decode`` runs one token per row. Both return
-    ``(out, conv_state, ssm_state)`` and leave their inputs untouched."""
+    ``(out, conv_state, ssm_state)`` and leave their inputs untouched. The SSM scan of
+    ``forward`` is ``self.ops.ssm_scan`` (``ssd_scan`` unless a runner installs fla-core's
+    chunked kernel for long rows: ``dllm.runner.kernels.ssm_scan``)."""
 
     def __init__(self, dims: Mamba2Dims, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
@@ -509,11 +512,11 @@ class Mamba2Mixer(nn.Module):
                                 self.conv1d.weight.squeeze(1), self.conv1d.bias)
         x, b, c = xbc.split([d.intermediate_size, d.n_groups * d.d_state,
                              d.n_groups * d.d_state], dim=-1)
-        y, h = ssd_scan(x.reshape(rows, n, d.num_heads, d.head_dim),
-                        dt.view(rows, n, dt.shape[-1]), a,
-                        b.reshape(rows, n, d.n_groups, d.d_state),
-                        c.reshape(rows, n, d.n_groups, d.d_state), self.D, ssm_state,
-                        d.chunk_size, d.group_heads)
+        y, h = self.ops.ssm_scan(x.reshape(rows, n, d.num_heads, d.head_dim),
+                                 dt.view(rows, n, dt.shape[-1]), a,
+                                 b.reshape(rows, n, d.n_groups, d.d_state),
+                                 c.reshape(rows, n, d.n_groups, d.d_state), self.D, ssm_state,
+                                 d.chunk_size, d.group_heads)
         return y, conv.to(conv_state.dtype), h.to(ssm_state.dtype)
 
     def decode(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor

@@ -1,6 +1,6 @@
 """The per-layer math that a runner may swap for fused kernels: RMSNorm (plain, with the
-residual add, per head), SwiGLU's ``silu(gate) * up``, rotary embedding and the linear
-projections of the shared decoder layers.
+residual add, per head), SwiGLU's ``silu(gate) * up``, rotary embedding, the linear
+projections of the shared decoder layers and the SSM scan of the Mamba2 mixers.
 
 ``LayerOps`` is the plain-PyTorch reference (the CPU path and the numerics tests compare
 against). A runner installs a faster implementation of the same interface on every module of a
@@ -119,6 +119,17 @@ class LayerOps:
         if residual is None:
             return self.rms_norm(x, weight, eps), x
         return self.add_rms_norm(x, residual, weight, eps)
+
+    def ssm_scan(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int,
+                 group_heads: tuple[int, ...] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mamba2's SSM over rows of ``T`` tokens each from their states: the arguments and
+        results of ``dllm.models.mamba2.ssd_scan`` (``y [R, T, H, P]`` with ``D·x``, and the
+        final states, both float32)."""
+        from dllm.models.mamba2 import ssd_scan
+
+        return ssd_scan(x, dt, a, b, c, d, h0, chunk_size, group_heads)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
              k: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, torch.Tensor]:

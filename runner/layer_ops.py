@@ -8,6 +8,9 @@ from a float32 cos/sin table indexed by position. Each kernel keeps float32 insi
 once, so results match the reference within the activation dtype's rounding. Dtypes
 FlashInfer has no kernel for (float32) take the reference path.
 
+Where the model has Mamba2 mixers and fla-core is installed, ``ssm_scan`` takes fla's chunked
+kernel for long rows (``dllm.runner.kernels.ssm_scan``; ``DLLM_FLA_SCAN=0`` keeps the reference).
+
 ``TritonOps`` adds the project's Triton kernels (``dllm.runner.kernels``) where Triton is
 installed: the q/k head norms, RoPE and the KV-cache write of a layer as one launch
 (``fused_qkv``), and a weight-streaming GEMM for at most 16 tokens (``skinny_gemm``; cuBLAS
@@ -28,10 +31,13 @@ from flashinfer.rope import _apply_rope_pos_ids_cos_sin_cache
 from torch import nn
 
 from dllm.models.layers import RotaryEmbedding
+from dllm.models.mamba2 import Mamba2Mixer
 from dllm.models.ops import LayerOps
 from dllm.runner.fused_layer import PreNormed, ResidualFusion
 from dllm.runner.kernels.hardware import capability
 from dllm.runner.kernels.settings import KernelSettings
+from dllm.runner.kernels.ssm_scan import MIN_TOKENS as SCAN_MIN_TOKENS
+from dllm.runner.kernels.ssm_scan import fla_available, fla_ssd_scan
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -80,6 +86,18 @@ class FlashInferOps(LayerOps):
         for m in model.modules():
             if isinstance(m, RotaryEmbedding) and m.spec not in self.cos_sin:
                 self.cos_sin[m.spec] = m.cos_sin_cache(max_positions).to(device)
+        # fla-core's chunked scan for the long rows of Mamba2 mixers, where it is installed.
+        self.fla_scan = (self.settings.fla_scan and any(isinstance(m, Mamba2Mixer)
+                                                        for m in model.modules())
+                         and fla_available())
+
+    def ssm_scan(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int,
+                 group_heads: tuple[int, ...] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fla_scan and x.is_cuda and x.shape[1] >= SCAN_MIN_TOKENS:
+            return fla_ssd_scan(x, dt, a, b, c, d, h0, group_heads)
+        return super().ssm_scan(x, dt, a, b, c, d, h0, chunk_size, group_heads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype not in _HALF or x.dim() != 2 or weight.dtype != x.dtype:

@@ -265,6 +265,86 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None,
+                               reason="needs fla-core (the 'gpu' extra)")
+
+
+@needs_fla
+@pytest.mark.parametrize("tokens, groups, heads", [(128, 1, 8), (1000, 2, 8), (4100, 4, 32)])
+def test_fla_scan_equals_the_reference_scan(tokens, groups, heads):
+    """fla-core's ``chunk_simple_gla`` as Mamba2's scan (``dllm.runner.kernels.ssm_scan``) against the
+    float32 reference ``ssd_scan``, from random states, over rows longer than a chunk and not
+    a multiple of one: equal within TF32 rounding (fla's dots), outputs and final states."""
+    import torch.nn.functional as F
+
+    from dllm.models.mamba2 import ssd_scan
+    from dllm.runner.kernels.ssm_scan import fla_available, fla_ssd_scan
+
+    assert fla_available()
+    g = torch.Generator("cuda").manual_seed(tokens)
+    rows, p, n = 2, 64, 32
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    x, b, c = rand(rows, tokens, heads, p), rand(rows, tokens, groups, n), rand(rows, tokens,
+                                                                                 groups, n)
+    dt = F.softplus(rand(rows, tokens, heads) - 2.0)  # discretized: positive, mostly small
+    a = -torch.exp(rand(heads).clamp(-2, 1))
+    d, h0 = rand(heads), rand(rows, heads, p, n)
+    y, h = fla_ssd_scan(x, dt, a, b, c, d, h0)
+    y_ref, h_ref = ssd_scan(x, dt, a, b, c, d, h0, 256)
+    assert y.shape == y_ref.shape and h.shape == h_ref.shape
+    assert _rel(y, y_ref) < 5e-3 and _rel(h, h_ref) < 5e-3, (_rel(y, y_ref), _rel(h, h_ref))
+
+
+@needs_fla
+def test_fla_scan_serves_long_hybrid_prefills(tmp_path, monkeypatch):
+    """The runner installs fla's scan on a hybrid's mixers (FlashInfer ops), each mixer's long
+    rows go through it within TF32 rounding of the reference ops, short rows (the captured
+    steps) keep the reference bitwise, and greedy generation after a 600-token prompt equals
+    the engine with ``DLLM_FLA_SCAN=0``."""
+    from dllm.models.mamba2 import Mamba2Mixer
+    from dllm.models.ops import TORCH_OPS
+
+    path = str(make_tiny_hybrid_checkpoint_gpu(tmp_path))
+    kw = dict(device="cuda", dtype="float32", max_running_requests=4)
+    llm = LLM(path, **kw)
+    mixers = [m for m in llm.engine.model.modules() if isinstance(m, Mamba2Mixer)]
+    assert mixers and all(m.ops.fla_scan for m in mixers)
+    m = mixers[0]
+    d = m.dims
+    g = torch.Generator("cuda").manual_seed(0)
+    conv = torch.randn(1, d.conv_dim, d.conv_kernel - 1, device="cuda", generator=g)
+    ssm = torch.randn(1, d.num_heads, d.head_dim, d.d_state, device="cuda", generator=g)
+    ops = m.ops
+    for n, exact in ((600, False), (16, True)):
+        hidden = torch.randn(n, d.hidden_size, device="cuda", generator=g)
+        with torch.no_grad():
+            got = m(hidden, conv, ssm, [n])
+            m.ops = TORCH_OPS
+            want = m(hidden, conv, ssm, [n])
+            m.ops = ops
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y) if exact else _rel(x, y) < 5e-3
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    long_prompts = [[(7 * i + j) % 200 + 3 for j in range(600)] for i in range(2)]
+    got = [o.token_ids for o in llm.generate(long_prompts, params)]
+    monkeypatch.setenv("DLLM_FLA_SCAN", "0")
+    ref = LLM(path, **kw)
+    assert not any(mm.ops.fla_scan for mm in ref.engine.model.modules()
+                   if isinstance(mm, Mamba2Mixer))
+    assert got == [o.token_ids for o in ref.generate(long_prompts, params)]
+
+
+def make_tiny_hybrid_checkpoint_gpu(tmp_path):
+    from dllm.testing.factory import make_tiny_hybrid_checkpoint
+
+    return make_tiny_hybrid_checkpoint("granite-h-micro", tmp_path, hidden_size=256,
+                                       num_attention_heads=2, num_key_value_heads=1,
+                                       mamba_n_heads=32)
+
+
 @pytest.mark.parametrize("rotary_factor", [1.0, 0.5])
 def test_flashinfer_layer_ops_match_reference(rotary_factor):
     """Each fused kernel against the float32 reference on upcast inputs, next to the bf16

@@ -1,7 +1,7 @@
 """The environment knobs of the layer ops, typed and read once (DESIGN §12: small frozen
 configs, no sprawl of flags).
 
-Two switches stay, each turning off a fused path for a plain one that computes the same function
+Three switches stay, each turning off a fused path for a plain one that computes the same function
 with the reference's rounding or control flow (a correctness fallback and a bisection aid, not a
 speed choice):
 
@@ -13,6 +13,9 @@ speed choice):
 - ``DLLM_FUSE_RESIDUAL`` (``fuse_residual``, default on): the residual add + RMSNorm in the
   skinny and wide GEMMs' epilogues; off, separate add + RMSNorm kernels, which round as the
   reference does (session 5 told a rounding flip from a bug with it).
+- ``DLLM_FLA_SCAN`` (``fla_scan``, default on): the Mamba2 scan of long rows through fla-core's
+  chunked kernel where fla-core is installed (``dllm.runner.kernels.ssm_scan``); off, the reference
+  chunked scan in torch, which keeps float32 dots (fla's take TF32).
 
 Values: ``1``/``true``/``on``/``yes`` or ``0``/``false``/``off``/``no`` (any case); unset or
 empty keeps the default; anything else is an error. The knobs of the paths measured slower are
@@ -49,6 +52,7 @@ def parse_switch(name: str, value: str | None, default: bool) -> bool:
 class KernelSettings:
     moe_grouped: bool = True  # DLLM_MOE_GROUPED
     fuse_residual: bool = True  # DLLM_FUSE_RESIDUAL
+    fla_scan: bool = True  # DLLM_FLA_SCAN
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
