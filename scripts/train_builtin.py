@@ -99,7 +99,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# Relative frequency of each family in the corpus: arithmetic is the hardest to learn.
+# Relative frequency of each family in the corpus: sorting and arithmetic are the hardest to learn.
 FAMILY_WEIGHTS = {"add": 1.5, "sub": 1.5, "compare": 1.0, "reverse": 1.1, "sort": 1.7,
                   "count": 1.2, "greeting": 0.03}
 MULTI_TURN_FRACTION = 0.1  # examples with 1-2 earlier exchanges in the prompt

@@ -330,3 +330,31 @@ def test_eval_reports_train_and_held_out_phrasings(tmp_path, capsys):
             assert r["tokens"] > 0 and r["denoise_forwards"] > 0
     assert cli_main(["eval", "--phrasings", "novel", "--per-family", "1"]) == 2
     assert "--phrasings 'novel': give some of train, held-out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_init_from_continues_a_checkpoint(tmp_path, hybrid):
+    """``--init-from``: the second run starts from the first run's weights (the loader maps
+    the exported names back, the hybrid's Granite names included): at learning rate 0 it
+    writes the same tensors; its summary holds the first run's; the wrong kind is refused."""
+    import torch
+    from safetensors.torch import load_file
+
+    train = load_train_script()
+    size = ["--hidden-size", "32", "--layers", "2", "--heads", "2", "--intermediate-size", "64"]
+    if hybrid:
+        size += ["--hybrid", "--attention-every", "2", "--mamba-head-dim", "16",
+                 "--mamba-d-state", "8"]
+    common = ["--train-examples", "400", "--batch-tokens", "512", "--workers", "1",
+              "--eval-per-family", "0", "--seed", "3"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    train.main(["--out", str(first), *size, "--steps", "3", "--warmup", "2", *common])
+    summary = train.main(["--out", str(second), *(["--hybrid"] if hybrid else []),
+                          "--init-from", str(first), "--steps", "1", "--warmup", "1",
+                          "--lr", "0", *common])
+    assert summary["initialised_from"]["steps"] == 3
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(second / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SystemExit, match="--hybrid"):
+        train.main(["--out", str(tmp_path / "third"), *([] if hybrid else ["--hybrid"]),
+                    "--init-from", str(first), "--steps", "1", *common])
