@@ -928,22 +928,29 @@ def _untrained(natural: tuple[str, ...], train: tuple[str, ...]) -> tuple[str, .
     return tuple(t for t in natural if skeleton(t) not in seen)
 
 
-ADD_HELD_OUT = (ADD_DESIGNED + _untrained(ADD_NATURAL, _ADD_FIRST)
-                + _untrained(ADD_NATURAL2, ADD_PHRASES))
-SUB_HELD_OUT = (SUB_DESIGNED + _untrained(SUB_NATURAL, _SUB_FIRST)
-                + _untrained(SUB_NATURAL2, SUB_PHRASES))
-LARGER_HELD_OUT = (LARGER_DESIGNED + _untrained(LARGER_NATURAL, _LARGER_FIRST)
-                   + _untrained(LARGER_NATURAL2, LARGER_PHRASES))
-SMALLER_HELD_OUT = (SMALLER_DESIGNED + _untrained(SMALLER_NATURAL, _SMALLER_FIRST)
-                    + _untrained(SMALLER_NATURAL2, SMALLER_PHRASES))
-REVERSE_HELD_OUT = (REVERSE_DESIGNED + _untrained(REVERSE_NATURAL, _REVERSE_FIRST)
-                    + _untrained(REVERSE_NATURAL2, REVERSE_PHRASES))
-SORT_HELD_OUT = (SORT_DESIGNED + _untrained(SORT_NATURAL, _SORT_FIRST)
-                 + _untrained(SORT_NATURAL2, SORT_PHRASES))
-LENGTH_HELD_OUT = (LENGTH_DESIGNED + _untrained(LENGTH_NATURAL, _LENGTH_FIRST)
-                   + _untrained(LENGTH_NATURAL2, LENGTH_PHRASES))
-OCCURRENCE_HELD_OUT = (OCCURRENCE_DESIGNED + _untrained(OCCURRENCE_NATURAL, _OCCURRENCE_FIRST)
-                       + _untrained(OCCURRENCE_NATURAL2, OCCURRENCE_PHRASES))
+def _held(designed: tuple[str, ...], natural: tuple[str, ...], first: tuple[str, ...],
+          natural2: tuple[str, ...], grammar: tuple[str, ...]) -> tuple[str, ...]:
+    """A family's held-out templates: the designed ones, the first natural set's that the first
+    grammar did not have, the second set's that the whole grammar does not have."""
+    return designed + _untrained(natural, first) + _untrained(natural2, grammar)
+
+
+ADD_HELD_OUT = _held(ADD_DESIGNED, ADD_NATURAL, _ADD_FIRST,
+                     ADD_NATURAL2, ADD_PHRASES)
+SUB_HELD_OUT = _held(SUB_DESIGNED, SUB_NATURAL, _SUB_FIRST,
+                     SUB_NATURAL2, SUB_PHRASES)
+LARGER_HELD_OUT = _held(LARGER_DESIGNED, LARGER_NATURAL, _LARGER_FIRST,
+                        LARGER_NATURAL2, LARGER_PHRASES)
+SMALLER_HELD_OUT = _held(SMALLER_DESIGNED, SMALLER_NATURAL, _SMALLER_FIRST,
+                         SMALLER_NATURAL2, SMALLER_PHRASES)
+REVERSE_HELD_OUT = _held(REVERSE_DESIGNED, REVERSE_NATURAL, _REVERSE_FIRST,
+                         REVERSE_NATURAL2, REVERSE_PHRASES)
+SORT_HELD_OUT = _held(SORT_DESIGNED, SORT_NATURAL, _SORT_FIRST,
+                      SORT_NATURAL2, SORT_PHRASES)
+LENGTH_HELD_OUT = _held(LENGTH_DESIGNED, LENGTH_NATURAL, _LENGTH_FIRST,
+                        LENGTH_NATURAL2, LENGTH_PHRASES)
+OCCURRENCE_HELD_OUT = _held(OCCURRENCE_DESIGNED, OCCURRENCE_NATURAL, _OCCURRENCE_FIRST,
+                            OCCURRENCE_NATURAL2, OCCURRENCE_PHRASES)
 
 
 def _forbidden(*held: tuple[str, ...]) -> frozenset[str]:
