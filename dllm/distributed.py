@@ -77,13 +77,13 @@ class RankGroup:
     def any_rank(self, flag: bool) -> bool:
         """Whether any rank passes True (every rank calls it: one small all-reduce)."""
         box = torch.tensor([int(flag)])
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.control)
+        self._collective(dist.all_reduce, box, op=dist.ReduceOp.MAX, group=self.control)
         return bool(box.item())
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on rank 0 (in rank order; None on the others)."""
         out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.control)
+        self._collective(dist.gather_object, obj, out, dst=0, group=self.control)
         return out
 
     @property
@@ -92,7 +92,19 @@ class RankGroup:
 
     def mirror(self, call: str, *args: Any) -> None:
         if self.sends:
-            dist.broadcast_object_list([(call, args)], src=0, group=self.control)
+            self._collective(dist.broadcast_object_list, [(call, args)], src=0,
+                             group=self.control)
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run one control collective; when it fails on rank 0 (a peer's socket reset as the
+        peer died), first see whether a worker is gone: if so, the one-line error and exit
+        (``check_peers``), not the collective's traceback."""
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            if self.rank == 0:
+                self.check_peers()
+            raise
 
     def receive(self) -> tuple[str, tuple] | None:
         box: list[Any] = [None]
