@@ -144,6 +144,17 @@ class ServerState:
             asyncio.get_running_loop().call_later(timeout, serving.end_all)
 
 
+def health_answer(state: ServerState) -> tuple[int, dict[str, str], bytes]:
+    """``GET /health``'s status, headers and body: 200 when requests are taken, else the 503
+    that they would get. Answered by the route, and by the connection itself when it holds
+    nothing but that request (``dllm.server.connections``)."""
+    try:
+        state.ready()
+    except APIError as exc:
+        return exc.status, exc.headers, ASCIIJSONResponse(exc.to_dict()).body
+    return 200, {}, ASCIIJSONResponse({"status": "ok"}).body
+
+
 def _build_llm(config: ServerConfig) -> AsyncLLM:
     from dllm.engine import Engine
 
@@ -203,8 +214,8 @@ def build_app(config: ServerConfig, llm: AsyncLLM | None = None) -> FastAPI:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        state.ready()
-        return ASCIIJSONResponse({"status": "ok"})
+        status, headers, body = health_answer(state)
+        return Response(body, status, headers, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -23,7 +23,7 @@ import uvicorn
 from dllm.async_llm import AsyncLLM
 from dllm.checkpoint import resolve_model_path
 from dllm.cli_args import engine_config_from_args
-from dllm.server.app import ServerState, build_app
+from dllm.server.app import ServerState, build_app, health_answer
 from dllm.server.args import ServerConfig, server_config_from_args
 from dllm.server.connections import RateLimitFilter, protocol_class
 from dllm.server.priority import engine_thread_init
@@ -123,7 +123,8 @@ def run_server(config: ServerConfig) -> int:
     freeze_startup_objects()
     server = DllmServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
-        http=protocol_class(connections, config.header_timeout, config.body_timeout),
+        http=protocol_class(connections, config.header_timeout, config.body_timeout,
+                            lambda: health_answer(state), config.max_headers),
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=config.timeout_keep_alive,
         timeout_graceful_shutdown=config.shutdown_timeout + UVICORN_GRACE_S,
