@@ -33,6 +33,7 @@ from dllm.server.middleware import (
     LoopTurns,
     RequestGuardMiddleware,
     TurnMiddleware,
+    take_body,
 )
 from dllm.server.native_api import NativeServing
 from dllm.server.openai_api import OpenAIServing
@@ -297,14 +298,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         s = state.ready()
-        req: TokenizeRequest = validate(TokenizeRequest, parse_json_object(await request.body()))
+        req: TokenizeRequest = validate(TokenizeRequest, parse_json_object(await _raw(request)))
         return ASCIIJSONResponse(await s.tokenize(req))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         s = state.ready()
         req: DetokenizeRequest = validate(DetokenizeRequest,
-                                          parse_json_object(await request.body()))
+                                          parse_json_object(await _raw(request)))
         return ASCIIJSONResponse(await s.detokenize(req))
 
     @app.post("/v1/completions")
@@ -336,8 +337,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         serving = state.ready()
-        raw = await request.body()
-        body = parse_json_object(raw)
+        body = parse_json_object(await _raw(request))
         req: AbortRequest = validate(AbortRequest, body)
         rid = check_rid(req.rid, "rid", serving.limits.max_rid_length)
         return ASCIIJSONResponse({"rid": rid, "aborted": await serving.abort(rid)})
@@ -361,11 +361,17 @@ def _parse(raw: bytes, serving: Serving, route: str, model: type | None,
     return body if model is None else validate(model, body)
 
 
+async def _raw(request: Request) -> bytes | bytearray:
+    """The request's body as ``BodyLimitMiddleware`` read it (not copied again)."""
+    body = take_body(request.scope)
+    return body if body is not None else await request.body()
+
+
 async def _body(request: Request, serving: Serving, route: str, model: type) -> Any:
     """The parsed body: a dict, or for a large body the validated model, made in a thread
     (the JSON parsed in a worker process, ``--body-workers``) so that the event loop
     (``/health``, every stream) does not wait."""
-    raw = await request.body()
+    raw = await _raw(request)
     if len(raw) <= LARGE_BODY_BYTES:
         return _parse(raw, serving, route, None)
     bodies: BodyWorkers | None = request.app.state.dllm.bodies

@@ -81,9 +81,23 @@ class RequestGuardMiddleware:
         await self.app(scope, receive, send)
 
 
+# Where ``BodyLimitMiddleware`` leaves the whole body in the request's scope.
+BODY_KEY = "dllm.body"
+
+
+def take_body(scope: dict) -> bytearray | None:
+    """The body ``BodyLimitMiddleware`` read (None without it), taken out of the scope: the
+    request's next ASGI message is then its disconnect, not the body again."""
+    return scope.pop(BODY_KEY, None)
+
+
 class BodyLimitMiddleware:
     """413 for a body over ``max_bytes``: by its Content-Length, else while it streams in.
-    The body is read here and replayed to the app, so the app never sees a partial one."""
+    The body is read here, into one growing buffer as its pieces arrive (so no step of the
+    event loop copies a whole 10 MB body at once, let alone twice as joining the pieces and
+    Starlette's ``request.body()`` would), and left in ``scope[BODY_KEY]`` for ``take_body``;
+    an app that reads it the ASGI way is given it again (as bytes, a copy), so it never sees
+    a partial one."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -107,26 +121,27 @@ class BodyLimitMiddleware:
             if declared > self.max_bytes:
                 await send_error(send, self._too_large(), [(b"connection", b"close")])
                 return
-        chunks, size = [], 0
+        body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left while sending
                 return
             chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
+            if len(body) + len(chunk) > self.max_bytes:
                 await send_error(send, self._too_large(), [(b"connection", b"close")])
                 return
-            chunks.append(chunk)
+            body += chunk
             if not message.get("more_body", False):
                 break
+        scope[BODY_KEY] = body
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                if scope.get(BODY_KEY) is body:  # not taken by the app (``take_body``)
+                    return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)

@@ -29,6 +29,7 @@ from dllm.models.parallel import TensorParallel, record_collectives, set_tensor_
 from dllm.runner.forward_batch import AttentionMask
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.harness import forward_full
+from tests.engines import Engines
 from tests.test_engine import ALGORITHMS as BLOCK_ALGORITHMS
 
 # Sizes every group of 2 and 3 ranks splits evenly (heads, KV heads, MLP and expert sizes,
@@ -61,35 +62,6 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
             for arch, shape in SHAPES.items()}
 
 
-class Engines:
-    """``(arch, tp)`` → an ``LLM`` (tp 1: single process). A process holds one
-    tensor-parallel engine at a time, so the tests of one ``(arch, tp)`` run together and the
-    engine is kept until another is asked for (or ``release``)."""
-
-    def __init__(self, ckpts: dict[str, str]):
-        self.ckpts = ckpts
-        self.single: dict[str, LLM] = {}
-        self.key: tuple[str, int, int] | None = None
-        self.current: LLM | None = None
-
-    def __call__(self, arch: str, tp: int, ep: int = 1) -> LLM:
-        if tp == 1:
-            if arch not in self.single:
-                self.single[arch] = LLM(self.ckpts[arch], max_running_requests=4, page_size=4)
-            return self.single[arch]
-        if self.key != (arch, tp, ep):
-            self.release()
-            self.current = LLM(self.ckpts[arch], max_running_requests=4, page_size=4,
-                               tensor_parallel_size=tp, expert_parallel_size=ep)
-            self.key = (arch, tp, ep)
-        return self.current
-
-    def release(self) -> None:
-        if self.current is not None:
-            self.current.engine.shutdown()
-        self.key, self.current = None, None
-
-
 @pytest.fixture(scope="module")
 def engines(ckpts):
     made = Engines(ckpts)
@@ -105,7 +77,7 @@ def _tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
 
 def _same(engines, arch: str, tp: int, params: SamplingParams, ep: int = 1) -> None:
     want = _tokens(engines(arch, 1), params)
-    assert _tokens(engines(arch, tp, ep), params) == want
+    assert _tokens(engines(arch, tp, expert_parallel_size=ep), params) == want
 
 
 @pytest.mark.parametrize(("tp", "temperature"), [(2, 0.0), (2, 0.8), (3, 0.0), (3, 0.8)])
@@ -167,7 +139,7 @@ def test_llada2_moe(engines, tp):
 def test_expert_parallel(engines, arch, tp):
     """``ep = tp``: each rank holds 6 / tp whole experts; greedy and sampled tokens equal the
     single process's."""
-    model = engines(arch, tp, tp).engine.model
+    model = engines(arch, tp, expert_parallel_size=tp).engine.model
     experts = next(m for m in model.modules() if isinstance(m, StackedExperts))
     assert (experts.local_experts, experts.gate_proj.shape[1]) == (6 // tp, 48)
     for temperature in (0.0, 0.9):

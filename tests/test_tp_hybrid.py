@@ -13,7 +13,6 @@ need."""
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from dllm.runner.forward_batch import AttentionMask
 from dllm.runner.memory import MambaStatePool
 from dllm.testing.factory import make_tiny_hybrid_checkpoint
 from dllm.testing.harness import forward_full, run_staggered
+from tests.engines import Engines
 from tests.test_engine import ALGORITHMS
 
 ATTN = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=6)
@@ -186,44 +186,11 @@ def test_each_rank_holds_its_heads_state_and_the_norm_exchanges_a_scalar(tp_logi
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 33))]
 
 
-class Engines:
-    """``(name, tp)`` → an ``LLM`` (tp 1: single process); one tensor-parallel engine at a
-    time (a process holds one), kept until another is asked for. The ranks it starts run one
-    thread each (three ranks on two cores otherwise spin against each other)."""
-
-    def __init__(self, ckpts: dict[str, str]):
-        self.ckpts = ckpts
-        self.single: dict[str, LLM] = {}
-        self.key: tuple[str, int] | None = None
-        self.current: LLM | None = None
-
-    def __call__(self, name: str, tp: int, **kw) -> LLM:
-        if tp == 1:
-            if name not in self.single:
-                self.single[name] = LLM(self.ckpts[name], max_running_requests=4, page_size=4)
-            return self.single[name]
-        if self.key != (name, tp):
-            self.release()
-            os.environ["OMP_NUM_THREADS"] = "1"
-            try:
-                self.current = LLM(self.ckpts[name], max_running_requests=4, page_size=4,
-                                   tensor_parallel_size=tp, **kw)
-            finally:
-                os.environ.pop("OMP_NUM_THREADS")
-            self.key = (name, tp)
-        return self.current
-
-    def release(self) -> None:
-        if self.current is not None:
-            self.current.engine.shutdown()
-        self.key, self.current = None, None
-
-
 @pytest.fixture(scope="module")
 def engines(ckpts):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    made = Engines(ckpts)
+    made = Engines(ckpts, one_thread_ranks=True)
     yield made
     made.release()
     torch.set_num_threads(threads)
