@@ -1,15 +1,14 @@
 """Plain ASGI middleware: API-key auth, the header and content-type checks, and the request
 body size limit (all answer before the body is parsed, with the OpenAI error shape), and the
-event loop's turns (``LoopTurns``)."""
+turn every request starts in (``dllm.server.turns``)."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
-from collections import deque
 
 from dllm.server.protocol import APIError
+from dllm.server.turns import LoopTurns
 
 PROTECTED_PREFIXES = ("/v1/", "/generate", "/abort_request")
 
@@ -145,64 +144,6 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
-
-
-class LoopTurns:
-    """At most ``per_turn`` callers pass ``take()`` in one turn of the event loop; the others
-    wait, in arrival order, for later turns.
-
-    Every request's start (routing, body parsing, validation, the chat template) and every
-    finished response's rendering is synchronous work on the event loop. When 64 requests
-    arrive together, or finish in the same engine step, their work ran in one loop turn
-    (about 3 ms each on a slow CPU: some 200 ms), and a ``/health`` (or any stream's next
-    chunk) that arrived meanwhile waited for all of it. Taken in turns, the same work runs
-    in slices of ``per_turn`` with the loop's I/O between them: nothing is refused and the
-    total work is unchanged."""
-
-    def __init__(self, per_turn: int):
-        if per_turn < 1:
-            raise ValueError(f"per_turn must be at least 1, got {per_turn}")
-        self.per_turn = per_turn
-        self._used = 0
-        self._waiters: deque[asyncio.Future] = deque()
-        self._reset_due = False
-
-    async def take(self) -> None:
-        if self._used < self.per_turn and not self._waiters:
-            self._used += 1
-            self._schedule_reset()
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        self._schedule_reset()
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # woken, then cancelled: pass it on
-                self._wake(1)
-            raise
-
-    def _schedule_reset(self) -> None:
-        if not self._reset_due:
-            self._reset_due = True
-            asyncio.get_running_loop().call_soon(self._reset)
-
-    def _reset(self) -> None:
-        """Runs at the start of the next turn: a new budget, the first waiters woken with
-        it (they run in the turn after, which this budget then covers)."""
-        self._reset_due = False
-        self._used = 0
-        self._wake(self.per_turn)
-
-    def _wake(self, n: int) -> None:
-        while n > 0 and self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                self._used += 1
-                n -= 1
-        if self._used:
-            self._schedule_reset()
 
 
 class TurnMiddleware:

@@ -30,6 +30,7 @@ from dllm.sampling_params import DLLM_KEYS, SamplingParams
 from dllm.server.args import Limits
 from dllm.server.metrics import ServerMetrics
 from dllm.server.protocol import APIError, bad_request, clip
+from dllm.server.turns import LoopTurns
 from dllm.tokenizer import check_chat_template
 
 logger = logging.getLogger("dllm.server")
@@ -79,7 +80,9 @@ class Serving:
 
     def __init__(self, llm: AsyncLLM, model_name: str | Sequence[str] | None = None,
                  metrics: ServerMetrics | None = None, limits: Limits | None = None,
-                 strict_fields: bool = False):
+                 strict_fields: bool = False, turns: LoopTurns | None = None):
+        """``turns``: the event loop's turns, taken once a request's prompts are tokenized
+        (its next steps, up to the engine, are work on the loop; ``dllm.server.turns``)."""
         engine = llm.engine
         self.llm = llm
         self.model_path: str = engine.info.path
@@ -88,6 +91,7 @@ class Serving:
         self.model_names: list[str] = names or [default_model_name(self.model_path)]
         self.model_name = self.model_names[0]
         self.strict_fields = strict_fields
+        self.turns = turns
         self.task: str = engine.task  # "generate" or "embed"
         self.context_length: int = engine.context_length
         self.vocab_size: int = engine.info.vocab_size
@@ -194,6 +198,8 @@ class Serving:
                 loop.run_in_executor(self._pool, self._make_one, p, sp, rid, explicit_max,
                                      max_name)
                 for p, sp, rid in zip(prompts, each, rids, strict=True))))
+            if self.turns is not None:
+                await self.turns.take()
             tokens = sum(r.prompt_len + r.params.max_new_tokens for r in reqs)
             if self.queued_tokens + tokens > self.max_queued_tokens:
                 raise queue_full(self.queued_tokens, self.max_queued_tokens)

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from dllm.server.middleware import LoopTurns
+from dllm.server.turns import LoopTurns
 
 
 def _passes(n: int, per_turn: int, cancel: set[int] = frozenset()) -> list[tuple[int, int]]:
