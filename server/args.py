@@ -88,7 +88,8 @@ class ServerConfig:
     timeout_keep_alive: float = field(default=5.0, metadata={
         "help": "seconds an idle keep-alive connection stays open"})
     shutdown_timeout: float = field(default=30.0, metadata={
-        "help": "on SIGTERM or SIGINT: seconds the requests running may take to finish; "
+        "help": "on SIGTERM or SIGINT: seconds until the process has exited; the requests "
+                "running may take all but the last 1.5 s of it (at most half of it) to finish, "
                 "then the rest end with an error (503 / an error event and [DONE])"})
     strict_fields: bool = field(default=False, metadata={
         "help": "answer a request that has fields this server does not know (a typo such as "

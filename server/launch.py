@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import queue
 import resource
 import signal
 import sys
+from logging.handlers import QueueHandler, QueueListener
 from types import FrameType
 
 import uvicorn
@@ -100,6 +102,19 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def log_from_a_thread() -> QueueListener:
+    """Route the root logger's records through a queue to a thread that formats and writes
+    them (the standard library's ``QueueHandler``): the event loop only enqueues a record.
+    Written from the loop, the 64 lines of 64 requests that end in one engine step held it
+    for one write each. Returns the listener, started; ``stop()`` writes what is left."""
+    root = logging.getLogger()
+    records: queue.SimpleQueue = queue.SimpleQueue()
+    listener = QueueListener(records, *root.handlers, respect_handler_level=True)
+    root.handlers = [QueueHandler(records)]
+    listener.start()
+    return listener
+
+
 def run_server(config: ServerConfig) -> int:
     """Load the model, then serve until interrupted. A model that does not load raises here,
     before any port is bound."""
@@ -134,10 +149,13 @@ def run_server(config: ServerConfig) -> int:
         server.should_exit = True
 
     state.on_load_error = stop
+    writer = log_from_a_thread()
     try:
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C during the shutdown
         pass
+    finally:
+        writer.stop()
     return 1 if state.load_error is not None else 0
 
 
