@@ -405,7 +405,12 @@ async def _answer(request: Request, work: Awaitable[Any]) -> Response:
             await task
         return Response(status_code=499)  # nobody reads it
     result = task.result()
-    await request.app.state.dllm.turns.take()  # rendering 64 answers at once is work too
+    try:
+        await request.app.state.dllm.turns.take()  # rendering 64 answers at once is work too
+    except BaseException:  # cancelled meanwhile (the server's end): a stream's memory back now
+        if isinstance(result, AsyncIterator):
+            await result.aclose()
+        raise
     if isinstance(result, AsyncIterator):
         return SSEResponse(_sse(result, request.app.state.dllm.chunk_turns),
                            media_type="text/event-stream",

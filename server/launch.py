@@ -156,6 +156,7 @@ def run_server(config: ServerConfig) -> int:
         pass
     finally:
         writer.stop()
+        logging.getLogger().handlers = list(writer.handlers)  # what is logged after, directly
     return 1 if state.load_error is not None else 0
 
 
