@@ -7,12 +7,18 @@ A request whose block resolves leaves the denoise rows at once; the next step it
 commit forward, then starts its next block.
 
 Merged commit (the default; ``EngineConfig.merged_commit``): the commit forward and the next
-block's first denoise step are one row of 2·B query tokens at the resolved block's start,
-under the block-causal mask: the first block (its final tokens) sees only the prefix and
-itself and writes its KV, the second (all masks) sees the prefix, the first block's KV of
-the same layer and itself — the same keys, values and logits as the two forwards it
-replaces, one forward fewer per block. Its logits are asked for the last B tokens only
-(``LogitsMode.BLOCK``); the post-step denoises those. A request that ends inside a block
+block's first denoise step run in one forward, as two whole-block rows of the request: the
+commit half (the resolved block's final tokens, ``Row.commit_half``) sees the prefix and
+itself and writes its KV; the next row (all masks) sees the prefix, the commit half's KV,
+written in the same layer before any row attends, and itself. The same keys, values and
+logits as the two forwards it replaces, one forward fewer per block; both rows are ordinary
+block rows, so the batch replays a CUDA graph and runs the block kernels (the commit half's
+logits and step result are ignored, as a commit forward's are). The pair counts as one
+forward of the request, and one forward in flight. A hybrid cannot split its recurrent state
+between two rows of one forward: its merged commit is one row of 2·B query tokens at the
+resolved block's start under the block-causal mask, its state written after the first block
+(``ScheduledBatch.state_split``), logits asked for the last B tokens only
+(``LogitsMode.BLOCK``; the post-step denoises those). A request that ends inside a block
 needs no commit at all (its KV would never be read: the prefix cache inserts a generated
 block only once its commit ran). Not merged: shifted-logits models (the commit pass reads
 the next block's first token) and algorithms that edit a filled block (``joint_threshold``:
@@ -25,9 +31,9 @@ in-flight state). A block that resolved is then denoised once more before the ho
 forward over the final tokens is exactly its commit forward, and the next block starts the step
 after the host reads the resolution, as without overlap. Shifted-logits models wait for the
 commit's result (it holds the next block's first token): one step more per block. With merged
-commits, a row built while the forward in flight on its block is *sure* to finish it (the
-algorithm's fixed schedule ends at that step: ``UnmaskingAlgorithm.surely_done``) is the
-merged row already, its first block carried from that forward's output; otherwise the
+commits, a request whose in-flight forward is *sure* to finish its block (the algorithm's
+fixed schedule ends at that step: ``UnmaskingAlgorithm.surely_done``) is merged already, its
+commit half carried from that forward's output; otherwise the
 commit stays the forward queued on the resolved block, as described above.
 
 Memory for a request's whole reserved length is taken at admission, so a running request never
@@ -51,7 +57,7 @@ Hybrid models (a recurrent state, DESIGN §6): each request holds one committed 
 state after its committed tokens. A prompt prefill row reads and writes it (the SSM runs
 causally over the chunk); a denoise row reads it and writes slot 0 (nothing: every step is
 re-run from the committed state); the commit forward of a resolved block writes it (the state
-after the block's final tokens). A merged row writes the state after its first block
+after the block's final tokens). A merged row (2·B) writes the state after its first block
 (``ScheduledBatch.state_split``) and runs its second from that state, discarding the result. Under the overlap schedule a row built while the forward
 before it on the same block is in flight may be that block's commit forward or one more
 denoise step, which only the device knows: it writes the committed slot gated by the in-flight
@@ -226,7 +232,11 @@ class BlockDiffusionScheduler(Scheduler):
             rows.append((req, blk, commit))
         if not rows:
             return None
-        merged = any(commit is not None for _, _, commit in rows)
+        # A merged commit over a recurrent state is one row of 2·B (its second block starts
+        # from the state after the first); otherwise it is two whole-block rows, the commit
+        # half first (module docstring), so CUDA graphs and the block kernels apply.
+        two_rows = self.state_pool is None
+        merged = not two_rows and any(commit is not None for _, _, commit in rows)
         b = self.config.block_size
         batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
                                kind=StepKind.DENOISE, block_size=b,
@@ -234,8 +244,20 @@ class BlockDiffusionScheduler(Scheduler):
         editable: list[bool] = []
         carry = Carry()
         gates: list[torch.Tensor | None] = []
+        reqs: list[Req] = []
         for req, blk, commit in rows:
-            if commit is None:
+            # In flight on this block: its input is that forward's output, on the device (a
+            # merged commit's first block, when the forward finishing it is in flight).
+            carried = (blk if commit is None else commit).carry if req.inflight else None
+            if commit is not None and two_rows:
+                batch.add_row(req.rid, req.req_pool_idx, commit.tokens, commit.start)
+                batch.row_groups.append(req.denoise.algorithm)
+                editable += commit.editable
+                carry.add(carried)
+                carried = None
+                reqs.append(req)
+                batch.rows.append(Row(req, commit, commit_half=True))
+            if commit is None or two_rows:
                 batch.add_row(req.rid, req.req_pool_idx, blk.tokens, blk.start)
             else:  # block-causal: the first block sees only itself, the next sees both
                 batch.add_row(req.rid, req.req_pool_idx, commit.tokens + blk.tokens,
@@ -245,20 +267,18 @@ class BlockDiffusionScheduler(Scheduler):
                 batch.state_split.append(b if commit is not None else 0)
             batch.row_groups.append(req.denoise.algorithm)
             editable += blk.editable  # bools: the registry stores them as 0/1
-            # In flight on this block: its input is that forward's output, on the device (a
-            # merged row's first block, when the forward finishing it is in flight).
-            carried = (blk if commit is None else commit).carry if req.inflight else None
             carry.add(carried)
-            gate, track = self._add_state(batch, req, blk, carried is not None, commit)
+            gate, track = self._add_state(batch, req, blk, carried is not None,
+                                          None if two_rows else commit)
             gates.append(gate)
-            batch.rows.append(Row(req, blk, track, commit))
-        reqs = [req for req, _, _ in rows]
+            reqs.append(req)
+            batch.rows.append(Row(req, blk, track, None if two_rows else commit))
         if (top := trace_top(reqs)) is not None:  # a traced batch replays its own graph
             batch.row_groups = [graph_group(g, top) for g in batch.row_groups]
         batch.token_inputs["editable"] = editable
         batch.row_inputs.update(
-            step=[blk.step for _, blk, _ in rows],
-            num_initial_masks=[blk.num_initial_masks for _, blk, _ in rows],
+            step=[row.block.step for row in batch.rows],
+            num_initial_masks=[row.block.num_initial_masks for row in batch.rows],
             **sampling_rows(reqs),
             **config_rows(reqs),
         )
@@ -309,6 +329,9 @@ class BlockDiffusionScheduler(Scheduler):
             req = self.row_owner(batch, i)
             if req is None:  # finished since the batch was built (a retried launch)
                 continue
+            if row.commit_half:  # the pair counts as one forward in flight
+                blk.commit_launched = True
+                continue
             req.inflight += 1
             if row.commit is not None:
                 row.commit.commit_launched = True
@@ -327,6 +350,10 @@ class BlockDiffusionScheduler(Scheduler):
 
         def apply_row(r: int, req: Req) -> bool:
             blk, track, commit = batch.rows[r].block, batch.rows[r].track, batch.rows[r].commit
+            if batch.rows[r].commit_half:  # merged: the block's KV is final (the next row
+                req.num_merged_commits += 1  # is this forward's denoise step)
+                self.cache_prefix(req, blk.start + req.block_size, track)
+                return False
             req.num_forward_passes += 1
             if commit is not None:  # merged: the first block's KV (and state) are final
                 req.num_merged_commits += 1

@@ -41,12 +41,14 @@ class EngineConfig:
         where the forward runs asynchronously).
     merged_commit: block diffusion runs a resolved block's commit forward (the forward over
         its final tokens that writes their KV, and a hybrid's committed state) in the same
-        forward as the next block's first denoise step, one row of 2·block_size tokens under
-        the block-causal mask: one forward fewer per block, the same tokens. Not for
-        shifted-logits models (Fast-dLLM v2 reads the next block's first token from its
-        commit pass) or algorithms that edit a filled block (``joint_threshold``); False:
-        always a separate commit forward. ``None``: merged on the CPU only -- on CUDA,
-        captured steps next to merged rows did not yet equal eager ones on the H200.
+        forward as the next block's first denoise step: two whole-block rows of the request
+        (the final tokens, then the next block attending to their KV of the same layer), or
+        for a hybrid one row of 2·block_size tokens whose state is split after the first
+        block. One forward fewer per block, the same tokens. Not for shifted-logits models
+        (Fast-dLLM v2 reads the next block's first token from its commit pass) or algorithms
+        that edit a filled block (``joint_threshold``); False: always a separate commit
+        forward. ``None``: on, except for hybrids on CUDA (their merged row runs outside the
+        CUDA graphs).
     task: ``generate``, ``embed`` (pooled embeddings), or ``auto`` (``embed`` for a
         sentence-transformers layout, else ``generate``).
     enable_prefix_cache: reuse the KV (and a hybrid's state) of prompt prefixes other
@@ -156,9 +158,8 @@ class EngineConfig:
     merged_commit: bool | None = field(default=None, metadata={
         "flag": "--disable-merged-commit", "const": False,
         "help": "block diffusion: run each block's commit forward as its own forward instead "
-                "of inside the next block's first denoise step (one 2·block-size row, one "
-                "forward fewer per block, the same tokens; the default on the CPU, not yet "
-                "on CUDA)"})
+                "of inside the next block's first denoise step (one forward fewer per block, "
+                "the same tokens; the default, except for hybrid models on CUDA)"})
 
     enable_prefix_cache: bool = field(default=True, metadata={
         "flag": "--disable-prefix-cache", "const": False,

@@ -86,10 +86,12 @@ class Engine:
                    else self.device.type == "cuda")
         if self.dp_size > 1:  # the ranks' forwards line up one by one, each result read
             overlap = False
-        # Merged commits: on the CPU by default; on CUDA the captured steps beside merged
-        # rows do not equal eager ones yet (tests/test_gpu.py), so off there unless asked.
+        # Merged commits: on by default, except over a recurrent state on CUDA, where the
+        # merged row (2·B tokens, its state split after the first block) runs outside the
+        # CUDA graphs; an attention-only model runs it as two whole-block rows, captured.
         self.merged_commit = (cfg.merged_commit if cfg.merged_commit is not None
-                              else self.device.type != "cuda")
+                              else not (self.device.type == "cuda"
+                                        and self.info.spec.recurrent_state))
         self.prefix_cache_reason = self._prefix_cache_off_reason()
         if self.prefix_cache_reason and cfg.enable_prefix_cache:
             logger.info("prefix cache: off (%s)", self.prefix_cache_reason)
@@ -148,6 +150,9 @@ class Engine:
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
+            rows_per_request=2 if (kind == "block_diffusion" and self.merged_commit
+                                   and not self.info.spec.recurrent_state
+                                   and not self.info.spec.logits_shift) else 1,
             tp_rank=self.ranks.rank if self.tp_size > 1 else 0, tp_size=self.tp_size,
             ep_size=cfg.expert_parallel_size, dp_size=self.dp_size, cpu_group=self.ranks.control,
             cp_rank=self.ranks.rank if cfg.context_parallel_size > 1 else 0,

@@ -36,6 +36,11 @@ class Row:
     # (its KV, and a hybrid's committed state, are written there); ``block`` is the next
     # block, whose first denoise step the second half is.
     commit: BlockState | None = None
+    # The commit half of a merged commit in two rows: ``block`` is the resolved block (its
+    # final tokens write their KV), and the next row is the same request's next block, whose
+    # first denoise step reads that KV in the same forward. Not a forward of its own: the
+    # request counts one forward, and one forward in flight, for the pair.
+    commit_half: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,8 +352,8 @@ class Scheduler(ABC):
             req = self.row_owner(batch, i)
             if req is None:
                 continue
-            if req.inflight:  # this forward's result is no longer in flight
-                req.inflight -= 1
+            if req.inflight and not (batch.rows and batch.rows[i].commit_half):
+                req.inflight -= 1  # this forward's result is no longer in flight
             try:
                 if apply_row(i, req):
                     changed.append(req)

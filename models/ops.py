@@ -47,6 +47,7 @@ class LayerOps:
 
     name = "torch"
     grouped_moe = False
+    fla_scan = False  # fla-core's scan for long Mamba2 rows (``runner.kernels.ssm_scan``)
 
     def __init__(self, grouped_moe: bool = False):
         self.grouped_moe = grouped_moe

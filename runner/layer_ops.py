@@ -31,13 +31,10 @@ from flashinfer.rope import _apply_rope_pos_ids_cos_sin_cache
 from torch import nn
 
 from dllm.models.layers import RotaryEmbedding
-from dllm.models.mamba2 import Mamba2Mixer
-from dllm.models.ops import LayerOps
 from dllm.runner.fused_layer import PreNormed, ResidualFusion
 from dllm.runner.kernels.hardware import capability
 from dllm.runner.kernels.settings import KernelSettings
-from dllm.runner.kernels.ssm_scan import MIN_TOKENS as SCAN_MIN_TOKENS
-from dllm.runner.kernels.ssm_scan import fla_available, fla_ssd_scan
+from dllm.runner.kernels.ssm_scan import FlaScanOps
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -65,7 +62,7 @@ def grouped_moe_enabled(model: nn.Module, device: torch.device,
                and m.gate_proj.shape[2] % 8 == 0 for m in experts)
 
 
-class FlashInferOps(LayerOps):
+class FlashInferOps(FlaScanOps):
     """``settings``: the environment knobs, read once here when not given."""
 
     name = "flashinfer"
@@ -80,24 +77,14 @@ class FlashInferOps(LayerOps):
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device,
                  settings: KernelSettings | None = None):
         self.settings = settings if settings is not None else KernelSettings.from_env()
-        super().__init__(grouped_moe=grouped_moe_enabled(model, device, self.settings))
+        # fla-core's chunked scan for the long rows of Mamba2 mixers, where it is installed.
+        super().__init__(model, self.settings.fla_scan,
+                         grouped_moe=grouped_moe_enabled(model, device, self.settings))
         # One cos/sin table per distinct rotary spec (every layer of a model shares one).
         self.cos_sin: dict[object, torch.Tensor] = {}
         for m in model.modules():
             if isinstance(m, RotaryEmbedding) and m.spec not in self.cos_sin:
                 self.cos_sin[m.spec] = m.cos_sin_cache(max_positions).to(device)
-        # fla-core's chunked scan for the long rows of Mamba2 mixers, where it is installed.
-        self.fla_scan = (self.settings.fla_scan and any(isinstance(m, Mamba2Mixer)
-                                                        for m in model.modules())
-                         and fla_available())
-
-    def ssm_scan(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int,
-                 group_heads: tuple[int, ...] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fla_scan and x.is_cuda and x.shape[1] >= SCAN_MIN_TOKENS:
-            return fla_ssd_scan(x, dt, a, b, c, d, h0, group_heads)
-        return super().ssm_scan(x, dt, a, b, c, d, h0, chunk_size, group_heads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype not in _HALF or x.dim() != 2 or weight.dtype != x.dtype:

@@ -89,6 +89,9 @@ class RunnerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # The most forward rows one request takes in a step: 2 where block diffusion runs a merged
+    # commit as two whole-block rows (``dllm.block_diffusion``), else 1.
+    rows_per_request: int = 1
     tp_rank: int = 0  # this rank among the tensor-parallel ranks (``dllm.models.parallel``)
     tp_size: int = 1
     ep_size: int = 1  # expert-parallel sets among the tp ranks (``TensorParallel.ep``)
@@ -143,11 +146,11 @@ class ModelRunner:
         self._init_memory()
         self.req_to_token = self.req_pool.req_to_token
         self._install_ops()
-        self.backend = make_backend(config.attention_backend, self.device, config.page_size)
+        self.backend = make_backend(config.attention_backend, self.device, config.page_size,
+                                    config.dtype)
+        rows = config.max_running_requests * config.rows_per_request
         self.registry = InputRegistry(
-            config.max_running_requests,
-            max(config.max_prefill_tokens, config.max_running_requests * config.block_size),
-            self.device)
+            rows, max(config.max_prefill_tokens, rows * config.block_size), self.device)
         register_inputs(self.registry)
         self.eager = EagerRunner(self)
         self.runners: list[Runner] = [self.eager]
@@ -229,8 +232,8 @@ class ModelRunner:
 
     def _flashinfer(self) -> bool:
         return (self.device.type == "cuda"
-                and resolve_backend_name(self.config.attention_backend, self.device)
-                == "flashinfer")
+                and resolve_backend_name(self.config.attention_backend, self.device,
+                                         self.config.dtype) == "flashinfer")
 
     def _install_ops(self) -> None:
         """FlashInfer's fused norm/activation/RoPE kernels where its attention runs (CUDA),
@@ -244,6 +247,15 @@ class ModelRunner:
             install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))
             if ops is TritonOps:  # its GEMMs take the residual steps along
                 fuse_decoder_layers(self.model)
+        elif self.device.type == "cuda" and triton_available():
+            # No FlashInfer kernels (float32, or attention_backend 'sdpa'): the reference ops,
+            # with fla-core's scan for a hybrid's long rows where it is installed.
+            from dllm.runner.kernels.settings import KernelSettings
+            from dllm.runner.kernels.ssm_scan import FlaScanOps
+
+            fla = FlaScanOps(self.model, KernelSettings.from_env().fla_scan)
+            if fla.fla_scan:
+                install_ops(self.model, fla)
 
     def _init_cuda_graphs(self) -> None:
         """Capture the ``graph_kind`` steps (denoise or decode) on CUDA with FlashInfer;
@@ -258,14 +270,16 @@ class ModelRunner:
 
         capture = self.steps[kind].capture
         mode = ForwardMode.DLLM_EXTEND if kind is StepKind.DENOISE else ForwardMode.DECODE
-        max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests,
-                     cfg.max_running_requests, 256)
-        sizes = ([s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_running_requests]
+        # Rows, not requests: a merged commit takes two rows of one request.
+        max_rows = cfg.max_running_requests * (cfg.rows_per_request if kind is StepKind.DENOISE
+                                               else 1)
+        max_bs = min(cfg.cuda_graph_max_bs or max_rows, max_rows, 256)
+        sizes = ([s for s in cfg.cuda_graph_batch_sizes if s <= max_rows]
                  if cfg.cuda_graph_batch_sizes else capture_sizes(max_bs))
         if cfg.cuda_graph_batch_sizes and len(sizes) < len(cfg.cuda_graph_batch_sizes):
-            logger.warning("CUDA graphs: batch sizes above max_running_requests=%d are not "
-                           "captured (asked for %s)", cfg.max_running_requests,
-                           list(cfg.cuda_graph_batch_sizes))
+            logger.warning("CUDA graphs: batch sizes above %d rows (max_running_requests=%d) "
+                           "are not captured (asked for %s)", max_rows,
+                           cfg.max_running_requests, list(cfg.cuda_graph_batch_sizes))
         if not sizes or capture is None:
             return
         graphs = CudaGraphRunner(

@@ -243,13 +243,14 @@ def test_denoise_step_has_no_host_sync(llm):
     while any(r.req_pool_idx is None or r.needs_prefill for r in reqs):  # past prefill
         e.step()
     (batch,) = e.scheduler.schedule()
-    assert batch.mode is ForwardMode.DLLM_EXTEND and batch.batch_size == len(reqs)
+    # one row a request (two for a merged commit: the commit half, then its next block)
+    assert batch.mode is ForwardMode.DLLM_EXTEND and len(set(batch.rids)) == len(reqs)
     post = e.runner.post_for(batch)
 
     with forbid_host_sync():
         out = e.runner.forward(batch, post)
     result = DenoisePost.read(out)
-    assert len(result.tokens) == len(reqs)
+    assert len(result.tokens) == batch.batch_size
     for r in reqs:
         e.abort(r.rid)
     e.check_memory()
@@ -366,3 +367,20 @@ def test_llm_accepts_an_engine_config(sdar_dir):
         [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
     with pytest.raises(TypeError, match="not both"):
         LLM(config, page_size=4)
+
+
+def test_auto_attention_backend_takes_flashinfer_for_half_precision_only():
+    """FlashInfer runs float16 / bfloat16 only: ``auto`` takes SDPA for float32 weights and
+    off CUDA; asking for FlashInfer elsewhere is a clear error."""
+    from dllm.runner.attention import flashinfer_available, make_backend, resolve_backend_name
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_backend_name("auto", cuda, torch.float32) == "sdpa"
+    assert resolve_backend_name("auto", cpu, torch.bfloat16) == "sdpa"
+    assert resolve_backend_name("auto", cuda, torch.bfloat16) == (
+        "flashinfer" if flashinfer_available() else "sdpa")
+    assert resolve_backend_name("sdpa", cuda, torch.bfloat16) == "sdpa"
+    with pytest.raises(ValueError, match="float16 and bfloat16 only, not float32"):
+        make_backend("flashinfer", cuda, 16, torch.float32)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_backend("flashinfer", cpu, 16, torch.bfloat16)

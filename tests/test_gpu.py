@@ -1,6 +1,7 @@
 """GPU tests (marker ``gpu``; skipped without CUDA): FlashInfer equals SDPA for every mode,
-the fused layer kernels equal the reference ops, and CUDA-graph engine output with overlapped
-scheduling (the CUDA default) equals eager output of the plain loop, token for token."""
+the fused layer kernels equal the reference ops, and CUDA-graph engine output equals eager
+output token for token (with overlapped scheduling, the CUDA default, against the plain loop,
+except where the schedule changes the batches: block diffusion's merged commits)."""
 
 from __future__ import annotations
 
@@ -115,23 +116,65 @@ def prompts(n: int) -> list[list[int]]:
     return [torch.randint(10, 200, (1 + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
+# Graph and eager engines run the same schedule (overlapped or not): which commits merge into
+# the next block's first step depends on it (under the overlap schedule a block whose resolution
+# the host has not read yet commits in a forward of its own, unless its algorithm's fixed
+# schedule makes it certain), and a merged commit runs its commit half in another batch than a
+# separate commit forward does: in bfloat16 another batch is another rounding (the attention
+# kernel's KV splits follow the row count), so the two schedules agree token for token only in
+# exact arithmetic (``tests/test_merged_commit.py``, CPU, float32). The graph is what these
+# tests are about.
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 @pytest.mark.parametrize("algorithm", ["low_confidence_static", "threshold"])
-def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm):
-    # The default capture sizes (1, 2, 4, 8, 12, 16): 11 live rows replay the graph of 12.
+def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm, overlap):
+    """The default capture sizes (1, 2, 4, ..., 32): 11 live requests replay the graph of 12
+    rows, or of 16 with merged commits (two rows each: the commit half and the next block);
+    graph replays equal eager steps token for token, merged commits included. """
+    from dllm.runner.cuda_graph import CudaGraphRunner
+
     kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
-              max_running_requests=16, algorithm=algorithm,
+              max_running_requests=16, algorithm=algorithm, overlap_schedule=overlap,
               algorithm_config={"threshold": 0.5} if algorithm == "threshold" else {})
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7 * (i % 2),
                              seed=i) for i in range(11)]
     graph = LLM(sdar_gpu, **kw)
-    assert len(graph.engine.runner.runners) == 2  # the graph runner is in front
-    assert graph.engine.overlap  # on CUDA by default: rows continue from in-flight results
-    eager = LLM(sdar_gpu, disable_cuda_graph=True, overlap_schedule=False, **kw)
+    runner = graph.engine.runner.runners[0]
+    assert isinstance(runner, CudaGraphRunner) and runner.capture  # in front of the eager one
+    assert runner.sizes[-1] == 32  # rows: two a request for a merged commit
+    assert graph.engine.merged_commit  # the default on CUDA for an attention-only model
+    eager = LLM(sdar_gpu, disable_cuda_graph=True, **kw)
     assert not eager.engine.runner.runners[0].capture  # the same padded batches, no graph
-    got = [o.token_ids for o in graph.generate(prompts(11), params)]
+    outs = graph.generate(prompts(11), params)
+    got = [o.token_ids for o in outs]
     want = [o.token_ids for o in eager.generate(prompts(11), params)]
     assert got == want
+    if not overlap or algorithm == "low_confidence_static":  # fixed schedule: merged anyway
+        # Every block but the last one commits; fewer commit forwards than that: merged.
+        assert sum(o.num_commit_forwards for o in outs) < sum(o.num_blocks - 1 for o in outs)
     graph.engine.check_memory()
+
+
+def test_merged_commit_batch_replays_a_graph(sdar_gpu):
+    """A denoise batch with a merged commit (two whole-block rows of one request) is one the
+    graph runner takes: no step of block diffusion falls back to the eager runner."""
+    from dllm.runner.cuda_graph import CudaGraphRunner
+
+    llm = LLM(sdar_gpu, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=4, overlap_schedule=False, algorithm="threshold",
+              algorithm_config={"threshold": 0.5})
+    e = llm.engine
+    req = e.make_request(prompts(3)[2], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    e.add_request(req)
+    while not (req.denoise.block is not None and req.denoise.block.resolved):
+        e.step()
+    (batch,) = e.scheduler.schedule()
+    assert [row.commit_half for row in batch.rows] == [True, False]
+    runner = e.runner.runners[0]
+    assert isinstance(runner, CudaGraphRunner) and runner.can_run(batch)
+    e.abort(req.rid)
+    e.check_memory()
 
 
 def test_graph_captured_on_first_use_equals_eager(sdar_gpu):
@@ -238,7 +281,8 @@ def test_cuda_graph_equals_eager_hybrid_block_diffusion(tmp_path, algorithm):
     """Block diffusion over a hybrid (the tiny ``GraniteMoeHybridForBlockDiffusion``): the
     denoise steps (``DLLM_EXTEND``: the SSM from the committed slot, writing nothing) and the
     commit forwards replayed from CUDA graphs under the overlap schedule equal eager steps
-    of the plain loop token for token; no state slot leaks."""
+    of the plain loop token for token (separate commit forwards: the CUDA default over a
+    recurrent state, so both schedules run the same batches); no state slot leaks."""
     from dllm.testing.factory import make_tiny_hybrid_checkpoint
 
     path = str(make_tiny_hybrid_checkpoint(
@@ -249,7 +293,7 @@ def test_cuda_graph_equals_eager_hybrid_block_diffusion(tmp_path, algorithm):
     params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.7 * (i % 2),
                              seed=i) for i in range(7)]
     graph = LLM(path, **kw)
-    assert graph.engine.model.supports_cuda_graph
+    assert graph.engine.model.supports_cuda_graph and not graph.engine.merged_commit
     assert graph.engine.runner.runners[0] is not graph.engine.runner.eager  # graphs captured
     got = [o.token_ids for o in graph.generate(prompts(7), params)]
     eager = LLM(path, disable_cuda_graph=True, overlap_schedule=False, **kw)
@@ -300,7 +344,8 @@ def test_fla_scan_equals_the_reference_scan(tokens, groups, heads):
 
 @needs_fla
 def test_fla_scan_serves_long_hybrid_prefills(tmp_path, monkeypatch):
-    """The runner installs fla's scan on a hybrid's mixers (FlashInfer ops), each mixer's long
+    """The runner installs fla's scan on a hybrid's mixers (float32: the reference ops without
+    FlashInfer, which runs half precision only, and fla's scan), each mixer's long
     rows go through it within TF32 rounding of the reference ops, short rows (the captured
     steps) keep the reference bitwise, and greedy generation after a 600-token prompt equals
     the engine with ``DLLM_FLA_SCAN=0``."""
@@ -343,6 +388,18 @@ def make_tiny_hybrid_checkpoint_gpu(tmp_path):
     return make_tiny_hybrid_checkpoint("granite-h-micro", tmp_path, hidden_size=256,
                                        num_attention_heads=2, num_key_value_heads=1,
                                        mamba_n_heads=32)
+
+
+def test_float32_on_cuda_runs_without_flashinfer(tmp_path):
+    """FlashInfer's kernels are half precision only: ``auto`` takes SDPA for float32 weights
+    (and generates), asking for FlashInfer then is a clear error."""
+    path = str(make_tiny_checkpoint("SDARForCausalLM", tmp_path, seed=0))
+    llm = LLM(path, device="cuda", dtype="float32", max_running_requests=2)
+    assert llm.engine.runner.backend.name == "sdpa"
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+    with pytest.raises(ValueError, match="float16 and bfloat16 only, not float32"):
+        LLM(path, device="cuda", dtype="float32", attention_backend="flashinfer")
 
 
 @pytest.mark.parametrize("rotary_factor", [1.0, 0.5])

@@ -17,8 +17,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
-from dllm.models.mamba2 import per_head
+from dllm.models.mamba2 import Mamba2Mixer, per_head
+from dllm.models.ops import LayerOps
 
 # Rows of at least this many tokens go through fla (longer than the batched block-diffusion
 # rows, ``mamba2.BATCHED_ROW_TOKENS``, which the captured steps run).
@@ -54,3 +56,23 @@ def fla_ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Te
                             initial_state=h0.float().contiguous(), output_final_state=True,
                             state_v_first=True)
     return y.float() + x * d.float()[:, None], h.float()
+
+
+class FlaScanOps(LayerOps):
+    """The reference ops with fla's scan for the long rows of a model's Mamba2 mixers, on
+    CUDA where fla-core is installed (``enabled``: ``KernelSettings.fla_scan``, i.e.
+    ``DLLM_FLA_SCAN``). ``FlashInferOps`` builds on it; a CUDA model without FlashInfer's
+    kernels (float32 weights: FlashInfer runs half precision only) installs it alone."""
+
+    def __init__(self, model: nn.Module, enabled: bool = True, grouped_moe: bool = False):
+        super().__init__(grouped_moe=grouped_moe)
+        self.fla_scan = (enabled and any(isinstance(m, Mamba2Mixer) for m in model.modules())
+                         and fla_available())
+
+    def ssm_scan(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 c: torch.Tensor, d: torch.Tensor, h0: torch.Tensor, chunk_size: int,
+                 group_heads: tuple[int, ...] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fla_scan and x.is_cuda and x.shape[1] >= MIN_TOKENS:
+            return fla_ssd_scan(x, dt, a, b, c, d, h0, group_heads)
+        return super().ssm_scan(x, dt, a, b, c, d, h0, chunk_size, group_heads)
