@@ -25,7 +25,7 @@ block ``--block``, ``--steps`` denoising steps a block (``low_confidence_static`
 SDAR's official greedy setting is top-k 1; Fast-dLLM's ``temperature=0``, ``steps`` its total
 over the blocks), one warm-up call first (the official generators take one prompt at a time,
 their canvas is ``[1, L]``: a batch of B is its B prompts one after another), then ``--repeats`` timed calls (the
-median is reported). SDAR's reference needs ``flash_attn``, which is not installed here: its
+median is reported; the reference's warm-up is one prompt: it runs a batch prompt by prompt). SDAR's reference needs ``flash_attn``, which is not installed here: its
 two calls are stood in for exactly as in ``scripts/refvectors/sdar.py`` (RMSNorm in float32,
 ``flash_attn_func(causal=False)`` as ``scaled_dot_product_attention``; on CUDA that runs
 FlashAttention's own kernel inside torch), so the reference is measured with torch's SDPA in
@@ -161,7 +161,9 @@ def _timed_reference(model: torch.nn.Module, gen_for, batches: list[int], vocab:
     for b in batches:
         ids = torch.tensor(prompts(b, args.prompt_len, vocab, args.seed), device=args.device)
         gen = gen_for(ids)
-        gen()  # warm-up
+        # Warm-up: one prompt (the generators run a batch one prompt after another at the same
+        # [1, L] shapes, so the first prompt warms every kernel the others use).
+        gen_for(ids[:1])()
         calls["n"] = 0
         out: list = []
         times = timed(lambda gen=gen, out=out: out.append(gen()), args.repeats, args.device)
