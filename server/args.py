@@ -116,8 +116,10 @@ class ServerConfig:
                 "much nicer than the HTTP event loop (0-19): when the CPU is short, the "
                 "loop (/health, every new request) runs first, and the engine's steps (every "
                 "stream's pace) wait behind the loop's work (0: the same priority)"})
-    engine_cpu_threads: int = field(default=0, metadata={
-        "help": "torch threads of an engine on the CPU (0: torch's default, one per core)"})
+    engine_cpu_threads: int | None = field(default=None, metadata={
+        "type": int, "help": "torch threads of an engine on the CPU (default: one per core but one, the "
+                "core left for the HTTP event loop, at least 1; 0: torch's default, one per "
+                "core)"})
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -137,7 +139,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if isinstance(self.engine_nice, bool) or not 0 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice must be in [0, 19], got {self.engine_nice}")
-        if self.engine_cpu_threads < 0:
+        if self.engine_cpu_threads is not None and (
+                isinstance(self.engine_cpu_threads, bool) or self.engine_cpu_threads < 0):
             raise ValueError("engine_cpu_threads must be 0 (torch's default) or positive, got "
                              f"{self.engine_cpu_threads}")
         if not 0 <= self.log_stats_interval < float("inf"):
@@ -162,6 +165,8 @@ def _add_fields(g: argparse._ArgumentGroup, cls: type) -> None:
             kw.update(nargs="+", type=_list_item)
         elif f.default is not None and not isinstance(f.default, str):
             kw["type"] = type(f.default)
+        elif "type" in f.metadata:  # a default of None: the value's type is named
+            kw["type"] = f.metadata["type"]
         if kw.get("type") in (int, float) or "choices" in kw:
             kw["help"] += " (default: %(default)s)" if "default:" not in kw["help"] else ""
         g.add_argument(flag, **kw)

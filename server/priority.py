@@ -9,8 +9,10 @@ request can wait behind the engine's torch work for tens of milliseconds.
 processes ``N`` steps nicer than the loop: the loop, which needs little CPU but needs it at
 once, gets it first; the engine keeps every cycle the loop leaves (and waits while the loop
 works, e.g. receiving a large body: streams then slow down). Raising one's own
-niceness needs no privilege. ``--engine-cpu-threads`` caps torch's threads of a CPU engine
-(so that under load one core stays for the loop)."""
+niceness needs no privilege. ``--engine-cpu-threads`` caps torch's threads of a CPU engine;
+by default one core is left for the loop (``default_cpu_threads``): on two cores, one torch
+thread served more requests a second with a lower ``/health`` tail than two
+(``bench/results/stress-20261202-015457-t`` … ``-015746-t1``)."""
 
 from __future__ import annotations
 
@@ -41,11 +43,21 @@ def name_thread(tid: int, name: str) -> None:
         pass
 
 
-def engine_thread_init(nice: int, cpu_threads: int, device_type: str):
+def default_cpu_threads() -> int:
+    """Torch threads of a CPU engine by default: the cores this process may run on, but one
+    (the HTTP event loop's), and at least one."""
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def engine_thread_init(nice: int, cpu_threads: int | None, device_type: str):
     """What the engine thread runs first (``AsyncLLM(thread_init=...)``): its niceness, so
     every thread it starts from then on (torch's OpenMP workers are started by the first
     parallel operation of each thread) inherits it, and its name; and torch's thread count
-    for it."""
+    for it (``None``: ``default_cpu_threads``; 0: torch's own default)."""
+    if cpu_threads is None:
+        cpu_threads = default_cpu_threads()
 
     def init() -> None:
         import torch  # here: the body workers import this module without torch

@@ -788,7 +788,52 @@ def test_engine_nice_and_cpu_threads_are_checked():
     engine = EngineConfig(model="unused")
     assert ServerConfig(engine=engine).engine_nice == 0
     assert ServerConfig(engine=engine, engine_nice=19, engine_cpu_threads=1).engine_nice == 19
+    assert ServerConfig(engine=engine).engine_cpu_threads is None  # one core left (below)
     for bad in ({"engine_nice": -1}, {"engine_nice": 20}, {"engine_nice": True},
-                {"engine_cpu_threads": -1}):
+                {"engine_cpu_threads": -1}, {"engine_cpu_threads": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerConfig(engine=engine, **bad)
+
+
+def test_a_cpu_engine_leaves_one_core_to_the_event_loop():
+    """By default the engine thread of a CPU engine runs torch on every core this process may
+    use but one (at least one); a number sets it, 0 keeps torch's default, and an engine on
+    another device is left alone."""
+    import os
+    import threading
+
+    import torch
+
+    from dllm.config import EngineConfig
+    from dllm.server.args import server_config_from_args
+    from dllm.server.cli import parse
+    from dllm.server.priority import default_cpu_threads, engine_thread_init
+
+    for argv, want in (([], None), (["--engine-cpu-threads", "2"], 2),
+                       (["--engine-cpu-threads", "0"], 0)):
+        args = parse(["serve", "--model", "builtin", *argv])
+        assert server_config_from_args(args, EngineConfig(model="x")).engine_cpu_threads == want
+    cores = len(os.sched_getaffinity(0))
+    assert default_cpu_threads() == max(1, cores - 1)
+    before = torch.get_num_threads()
+
+    def threads_after(cpu_threads, device_type: str) -> int:
+        seen = []
+
+        def run() -> None:
+            engine_thread_init(0, cpu_threads, device_type)()
+            seen.append(torch.get_num_threads())
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return seen[0]
+
+    try:
+        assert threads_after(None, "cpu") == max(1, cores - 1)
+        assert threads_after(3, "cpu") == 3
+        torch.set_num_threads(before)
+        assert threads_after(0, "cpu") == before
+        assert threads_after(None, "cuda") == before
+    finally:
+        torch.set_num_threads(before)
