@@ -31,8 +31,10 @@ class EngineConfig:
     load_format: ``safetensors``, or ``dummy`` (random weights of the checkpoint's shapes, for
         benchmarks).
     disable_cuda_graph / cuda_graph_max_bs: CUDA graphs (GPU with FlashInfer) capture denoise
-        and decode steps for batch sizes up to ``cuda_graph_max_bs`` (default: the running cap,
-        at most 256), at bucketed sizes (a live batch is padded to the next one);
+        and decode steps for batch sizes (rows: a merged commit takes two) up to
+        ``cuda_graph_max_bs`` (default: the rows the running cap can fill -- twice the cap for
+        block diffusion with merged commits -- at most 256), at bucketed sizes (a live batch
+        is padded to the next one);
         ``cuda_graph_batch_sizes`` names the sizes instead (every size from 1 to N: no padding).
         With graphs disabled those steps run eagerly at the same padded sizes and plans, so
         both give the same tokens.
@@ -107,7 +109,8 @@ class EngineConfig:
     disable_cuda_graph: bool = field(default=False, metadata={
         "help": "capture no CUDA graphs (the steps run eagerly, to the same tokens)"})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
-        "help": "largest batch size captured (default: --max-running-requests, at most 256)"})
+        "help": "largest batch size captured, in rows (default: --max-running-requests, "
+                "twice that for block diffusion with merged commits, at most 256)"})
     cuda_graph_batch_sizes: tuple[int, ...] | None = field(default=None, metadata={
         "flag": "--cuda-graph-bs",
         "help": "the batch sizes to capture (default: buckets 1, 2, 4, 8, 12, 16, 24, 32, … "

@@ -109,6 +109,7 @@ class Serving:
         self._pool = ThreadPoolExecutor(self.limits.tokenizer_workers,
                                         thread_name_prefix="dllm-tokenize")
         self._local = threading.local()
+        self._primed = self._prime_tokenizers()
         self.max_token_chars = max([len(t) for t in engine.tokenizer.get_vocab()] or [1])
         self.max_prompt_chars = NORMALIZE_FACTOR * self.context_length * self.max_token_chars
 
@@ -209,6 +210,22 @@ class Serving:
         except BaseException:
             self._release(gid)
             raise
+
+    def _prime_tokenizers(self) -> list[Any]:
+        """Give every pool thread its tokenizer copy now, in the background, not on its first
+        request (a deep copy: long for a large vocabulary). The tasks wait for each other, so
+        each runs on a thread of its own; returns their futures."""
+        n = self.limits.tokenizer_workers
+        all_started = threading.Barrier(n)
+
+        def prime() -> None:
+            self._tokenizer()
+            try:
+                all_started.wait(timeout=60)
+            except threading.BrokenBarrierError:  # a thread did not start in time: fine
+                pass
+
+        return [self._pool.submit(prime) for _ in range(n)]
 
     def _tokenizer(self) -> Any:
         """This pool thread's own tokenizer (a fast tokenizer is not meant to be shared

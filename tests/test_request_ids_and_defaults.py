@@ -53,6 +53,34 @@ def test_server_default_max_tokens_is_known_before_the_layout(tmp_path):
     assert req.denoise.algo_config["steps_per_block"] == 32
 
 
+def test_every_tokenizer_thread_holds_its_copy_before_the_first_request(tmp_path):
+    """The tokenizer pool's threads copy the tokenizer at start-up, each its own (a deep
+    copy of a large vocabulary is not done on a request's time), none the engine's."""
+    import threading
+
+    path = make_tiny_checkpoint("SDARForCausalLM", tmp_path, seed=0)
+    llm = AsyncLLM(engine=Engine(model=str(path), max_running_requests=2))
+    try:
+        serving = Serving(llm)
+        for f in serving._primed:
+            f.result(timeout=60)
+        n = serving.limits.tokenizer_workers
+        barrier = threading.Barrier(n)
+
+        def held() -> tuple[int, int]:  # every thread at once: each answers for itself
+            tok = getattr(serving._local, "tokenizer", None)
+            barrier.wait(timeout=60)
+            return threading.get_ident(), id(tok) if tok is not None else 0
+
+        answers = [f.result(timeout=60) for f in [serving._pool.submit(held) for _ in range(n)]]
+        assert len({t for t, _ in answers}) == n  # n threads
+        copies = {c for _, c in answers}
+        assert 0 not in copies and len(copies) == n and id(llm.engine.tokenizer) not in copies
+        serving.close()
+    finally:
+        llm.shutdown()
+
+
 def test_cuda_graph_batch_sizes_flag_and_validation():
     """``--cuda-graph-bs`` reaches the engine config sorted and without repeats; a size that
     is not a positive integer is refused with a clear error."""
