@@ -94,6 +94,13 @@ from dllm.runner.host_copy import Carry
 from dllm.scheduler import Row, Scheduler
 
 
+def merges_in_two_rows(merged_commit: bool, logits_shift: int, recurrent_state: bool) -> bool:
+    """Whether merged commits run as two whole-block rows of a request (module docstring):
+    merged commits on, no shifted logits (those never merge), no recurrent state (a hybrid
+    merges into one 2·B row). The runner sizes its graphs and inputs by it."""
+    return merged_commit and not logits_shift and not recurrent_state
+
+
 class BlockDiffusionScheduler(Scheduler):
     """``logits_shift``: 1 for Fast-dLLM v2 (module docstring)."""
 
@@ -103,6 +110,8 @@ class BlockDiffusionScheduler(Scheduler):
         self.logits_shift = logits_shift
         # Shifted logits read the next block's first token from the commit pass: no merging.
         self.merged_commit = merged_commit and not logits_shift
+        self.two_rows = merges_in_two_rows(merged_commit, logits_shift,
+                                           self.state_pool is not None)
 
     def merges_commit(self, req: Req) -> bool:
         """Whether ``req``'s resolved block commits inside its next block's first denoise
@@ -235,7 +244,7 @@ class BlockDiffusionScheduler(Scheduler):
         # A merged commit over a recurrent state is one row of 2·B (its second block starts
         # from the state after the first); otherwise it is two whole-block rows, the commit
         # half first (module docstring), so CUDA graphs and the block kernels apply.
-        two_rows = self.state_pool is None
+        two_rows = self.two_rows
         merged = not two_rows and any(commit is not None for _, _, commit in rows)
         b = self.config.block_size
         batch = ScheduledBatch(ForwardMode.DLLM_EXTEND, attention_mask=AttentionMask.BLOCK_CAUSAL,
@@ -268,8 +277,7 @@ class BlockDiffusionScheduler(Scheduler):
             batch.row_groups.append(req.denoise.algorithm)
             editable += blk.editable  # bools: the registry stores them as 0/1
             carry.add(carried)
-            gate, track = self._add_state(batch, req, blk, carried is not None,
-                                          None if two_rows else commit)
+            gate, track = self._add_state(batch, req, blk, carried is not None, commit)
             gates.append(gate)
             reqs.append(req)
             batch.rows.append(Row(req, blk, track, None if two_rows else commit))

@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 
 from dllm.autoregressive import AutoregressiveScheduler
-from dllm.block_diffusion import BlockDiffusionScheduler
+from dllm.block_diffusion import BlockDiffusionScheduler, merges_in_two_rows
 from dllm.checkpoint import ModelInfo, load_model_info, resolve_model_path
 from dllm.config import EngineConfig
 from dllm.distributed import RankGroup, launch
@@ -150,9 +150,9 @@ class Engine:
             graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
-            rows_per_request=2 if (kind == "block_diffusion" and self.merged_commit
-                                   and not self.info.spec.recurrent_state
-                                   and not self.info.spec.logits_shift) else 1,
+            rows_per_request=2 if kind == "block_diffusion" and merges_in_two_rows(
+                self.merged_commit, self.info.spec.logits_shift,
+                self.info.spec.recurrent_state) else 1,
             tp_rank=self.ranks.rank if self.tp_size > 1 else 0, tp_size=self.tp_size,
             ep_size=cfg.expert_parallel_size, dp_size=self.dp_size, cpu_group=self.ranks.control,
             cp_rank=self.ranks.rank if cfg.context_parallel_size > 1 else 0,

@@ -247,7 +247,7 @@ class ModelRunner:
             install_ops(self.model, ops(self.model, self.req_pool.max_context, self.device))
             if ops is TritonOps:  # its GEMMs take the residual steps along
                 fuse_decoder_layers(self.model)
-        elif self.device.type == "cuda" and triton_available():
+        elif self.device.type == "cuda":
             # No FlashInfer kernels (float32, or attention_backend 'sdpa'): the reference ops,
             # with fla-core's scan for a hybrid's long rows where it is installed.
             from dllm.runner.kernels.settings import KernelSettings

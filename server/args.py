@@ -117,7 +117,8 @@ class ServerConfig:
                 "loop (/health, every new request) runs first, and the engine's steps (every "
                 "stream's pace) wait behind the loop's work (0: the same priority)"})
     engine_cpu_threads: int | None = field(default=None, metadata={
-        "type": int, "help": "torch threads of an engine on the CPU (default: one per core but one, the "
+        "type": int,
+        "help": "torch threads of an engine on the CPU (default: one per core but one, the "
                 "core left for the HTTP event loop, at least 1; 0: torch's default, one per "
                 "core)"})
     limits: Limits = field(default_factory=Limits)

@@ -131,7 +131,7 @@ def prompts(n: int) -> list[list[int]]:
 def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm, overlap):
     """The default capture sizes (1, 2, 4, ..., 32): 11 live requests replay the graph of 12
     rows, or of 16 with merged commits (two rows each: the commit half and the next block);
-    graph replays equal eager steps token for token, merged commits included. """
+    graph replays equal eager steps token for token, merged commits included."""
     from dllm.runner.cuda_graph import CudaGraphRunner
 
     kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
