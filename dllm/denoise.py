@@ -101,6 +101,17 @@ def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool, bool]:
             any(k > 0 or p < 1 for _, k, p in rows))
 
 
+GRAPH_FLAGS = ((False, False, False), (True, True, True))
+
+
+def graph_flags(row_inputs: dict[str, list]) -> tuple[bool, bool, bool]:
+    """The sampling flags a captured graph is keyed by: a greedy batch replays a graph
+    without the sampling work; any sampling row takes the general graph (exact for every
+    row). Two graphs per shape, instead of one per ``sampling_flags`` value."""
+    greedy = all(t == 0 for t in row_inputs["temperature"])
+    return GRAPH_FLAGS[0] if greedy else GRAPH_FLAGS[1]
+
+
 def config_rows(reqs: list[Req]) -> dict[str, list]:
     """Each row's algorithm settings as numbers, one list per key any row uses (0 where a
     row's algorithm has no such key)."""

@@ -27,7 +27,7 @@ from dllm.checkpoint import ModelInfo, load_model_info, resolve_model_path
 from dllm.config import EngineConfig
 from dllm.distributed import RankGroup, launch
 from dllm.embedding import EmbeddingScheduler
-from dllm.full_diffusion import FullDiffusionScheduler
+from dllm.full_diffusion import MAX_WINDOW, FullDiffusionScheduler
 from dllm.models.pooling import PoolingConfig
 from dllm.outputs import EmbeddingOutput, RequestOutput
 from dllm.pipeline import Isolation, OverlapPipeline
@@ -37,13 +37,18 @@ from dllm.requests import Prompt, RequestFactory, generation_layout, resolve_tas
 from dllm.runner.forward_batch import ForwardMode, ScheduledBatch, StepKind
 from dllm.runner.model_runner import ModelRunner, RunnerConfig
 from dllm.scheduler import Scheduler, SchedulerConfig
-from dllm.steps import register_inputs, step_specs
+from dllm.steps import register_inputs, startup_graph_keys, step_specs
 from dllm.stop import StopChecker
 from dllm.tokenizer import load_tokenizer
 
 __all__ = ["Engine", "Prompt", "embed_inputs"]
 
 logger = logging.getLogger(__name__)
+
+# The largest full-attention step captured in a CUDA graph on first use (rows × window
+# tokens). Past it a step is compute-bound: launching it eagerly costs less than the GPU
+# time, and each graph holds its own activations.
+FULL_GRAPH_TOKENS = 2048
 
 
 def embed_inputs(texts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
@@ -138,8 +143,13 @@ class Engine:
 
     def _runner_config(self, path: str) -> RunnerConfig:
         cfg, kind = self.config, self.info.spec.kind
-        graph_kind = ({"block_diffusion": StepKind.DENOISE, "causal_lm": StepKind.SAMPLE}
+        graph_kind = ({"block_diffusion": StepKind.DENOISE, "causal_lm": StepKind.SAMPLE,
+                       "full_diffusion": StepKind.FULL_STEP}
                       .get(kind) if self.task == "generate" else None)
+        # Full attention: the dual cache's window (a block of the default size) at start,
+        # every other window on first use, up to FULL_GRAPH_TOKENS a graph.
+        window = (self.canvas_block_size if graph_kind is StepKind.FULL_STEP
+                  else self.block_size)
         return RunnerConfig(
             model_path=path, device=self.device, dtype=self.dtype, load_format=cfg.load_format,
             seed=cfg.seed, attention_backend=cfg.attention_backend, page_size=cfg.page_size,
@@ -147,12 +157,16 @@ class Engine:
             max_running_requests=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens, context_length=self.context_length,
             block_size=self.block_size, graph_kind=graph_kind,
-            graph_group=self.algorithm_name if graph_kind is StepKind.DENOISE else "",
+            graph_keys=(startup_graph_keys(graph_kind, self.algorithm_name, window)
+                        if graph_kind is not None else ()),
+            graph_windows=(window,) if window else (),
+            graph_lazy_tokens=FULL_GRAPH_TOKENS if graph_kind is StepKind.FULL_STEP else 0,
             disable_cuda_graph=cfg.disable_cuda_graph, cuda_graph_max_bs=cfg.cuda_graph_max_bs,
             cuda_graph_batch_sizes=cfg.cuda_graph_batch_sizes,
-            rows_per_request=2 if kind == "block_diffusion" and merges_in_two_rows(
-                self.merged_commit, self.info.spec.logits_shift,
-                self.info.spec.recurrent_state) else 1,
+            rows_per_request=2 if kind == "full_diffusion" or (
+                kind == "block_diffusion" and merges_in_two_rows(
+                    self.merged_commit, self.info.spec.logits_shift,
+                    self.info.spec.recurrent_state)) else 1,
             tp_rank=self.ranks.rank if self.tp_size > 1 else 0, tp_size=self.tp_size,
             ep_size=cfg.expert_parallel_size, dp_size=self.dp_size, cpu_group=self.ranks.control,
             cp_rank=self.ranks.rank if cfg.context_parallel_size > 1 else 0,
@@ -184,7 +198,10 @@ class Engine:
             return BlockDiffusionScheduler(*args, logits_shift=spec.logits_shift,
                                            merged_commit=self.merged_commit, **kw)
         if spec.kind == "full_diffusion":
-            return FullDiffusionScheduler(*args, logits_shift=spec.logits_shift)
+            # Context parallelism splits EXTEND forwards: no window form under it.
+            return FullDiffusionScheduler(*args, logits_shift=spec.logits_shift,
+                                          max_window=0 if cfg.context_parallel_size > 1
+                                          else MAX_WINDOW)
         raise NotImplementedError(f"{self.info.architecture} ({spec.kind}) is not served yet")
 
     # ---- requests ----------------------------------------------------------------------

@@ -49,20 +49,49 @@ canvas after EOS) or with its last block (``max_new_tokens``).
 
 **Budget.** A step's rows fit ``max_prefill_tokens`` query tokens (at least one request always
 runs); requests take turns, least recently run first.
+
+**The window form.** A step whose rows all query the same number of tokens W (the dual
+cache's later steps: the block; the prefix cache's: the block and the suffix, the same for
+requests in step; exact: the canvas) runs as a ``DLLM_EXTEND`` batch of ``block_size`` W with
+the full mask: each row W queries over the keys ``[0, seq_len)``, the shape of a denoise
+batch, so it takes the block-diffusion attention kernels and replays a CUDA graph captured
+per (rows, W) with the post-step inside (``FullDiffusionPost.graph_key``). Other steps, and
+rows longer than ``max_window``, are ragged ``EXTEND`` forwards. Same tokens either way.
+
+**Overlapped scheduling.** A step is queued before the previous step's result is read: a
+block whose step is in flight continues from that step's output on the device (its input
+tokens are carried, ``ScheduledBatch.carry`` with a per-row offset ``carry_at``; its
+algorithm state is the in-flight state), when the host knows how that step ends: when the
+algorithm's fixed schedule ends the block at the step in flight
+(``UnmaskingAlgorithm.surely_done``), the next block starts at once, the finished block's
+tokens carried into its canvas (``BlockState.prev``); when it surely does not
+(``surely_continues``), the block's next step follows; when the host cannot tell (a
+threshold rule), the request waits for the result, since a step on a block that had
+resolved would be a wasted forward. Outputs equal the plain loop's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dllm.algorithms import get_algorithm
 from dllm.algorithms.base import SamplingTensors, UnmaskingAlgorithm
 from dllm.algorithms.dream import dream_probs, dream_propose
-from dllm.denoise import DenoisePost, config_rows, sampling_rows, state_rows, trace_top
+from dllm.denoise import (
+    DenoisePost,
+    config_rows,
+    graph_flags,
+    graph_group,
+    parse_group,
+    sampling_rows,
+    state_rows,
+    trace_top,
+)
 from dllm.request import BlockState, FinishReason, Req
 from dllm.runner.forward_batch import (
     AttentionMask,
@@ -72,9 +101,14 @@ from dllm.runner.forward_batch import (
     ScheduledBatch,
     StepKind,
 )
+from dllm.runner.host_copy import Carry
 from dllm.runner.input_registry import InputRegistry
 from dllm.sampling_params import check_engine_keys
 from dllm.scheduler import Row, Scheduler
+
+# The longest query of a window-form step (module docstring); a longer canvas runs as a ragged
+# ``EXTEND``, whose attention kernels are built for long prompts.
+MAX_WINDOW = 2048
 
 # Post-step inputs, per row of the forward (name -> dtype).
 ROW_FIELDS = {
@@ -127,9 +161,15 @@ def resolve_request(config: Mapping[str, Any], algorithm: UnmaskingAlgorithm,
 
 
 class FullDiffusionScheduler(Scheduler):
-    def __init__(self, *args: Any, logits_shift: int = 0, **kwargs: Any):
+    """``logits_shift``: 1 for Dream. ``max_window``: the longest uniform query a step runs
+    in the window form (module docstring; 0: never, the engine's choice under context
+    parallelism, whose split applies to ``EXTEND`` forwards only)."""
+
+    def __init__(self, *args: Any, logits_shift: int = 0, max_window: int = MAX_WINDOW,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.logits_shift = logits_shift
+        self.max_window = max_window
         self._tick = 0
         self._last_run: dict[str, int] = {}
 
@@ -185,87 +225,181 @@ class FullDiffusionScheduler(Scheduler):
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> list[ScheduledBatch]:
         self.admit()
-        reqs = self._pick()
-        return [self.build_step(reqs)] if reqs else []
+        picked = self._pick()
+        return [self.build_step(picked)] if picked else []
 
     def update(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         return self.apply_step(batch, output)
 
     def split(self, batch: ScheduledBatch) -> list[ScheduledBatch]:
         """One batch per request, a CFG request with its unconditional twin."""
-        reqs = [self.running[rid] for rid in dict.fromkeys(batch.rids) if rid in self.running]
-        return [self.build_step([req]) for req in reqs]
+        units: dict[str, tuple[Req, BlockState]] = {}
+        for i, row in enumerate(batch.rows):
+            req = self.row_owner(batch, i)
+            if req is not None and not batch.row_inputs["fd.uncond"][i]:
+                units.setdefault(req.rid, (req, row.block))
+        return [self.build_step([unit]) for unit in units.values()]
 
-    def _pick(self) -> list[Req]:
+    def _pick(self) -> list[tuple[Req, BlockState]]:
         """Least recently run first, within the token budget (the first always runs)."""
         order = sorted(self.running.values(), key=lambda r: self._last_run.get(r.rid, -1))
         budget, picked = self.config.max_prefill_tokens, []
         for req in order:
-            if req.full.block is None:
-                self._start_block(req)
-            lo, hi, _ = self._query(req)
+            blk = self._next_block(req)
+            if blk is None:
+                continue
+            lo, hi, _ = self._query(req, blk)
             cost = (hi - lo) * (2 if req.full.cfg_scale > 0 else 1)
             if picked and cost > budget:
                 continue
-            picked.append(req)
+            picked.append((req, blk))
             budget -= cost
         return picked
 
-    def _start_block(self, req: Req) -> None:
-        start = req.committed_len
-        n = min(req.block_size, req.canvas_len - start)
-        req.full.block = BlockState(start=start, tokens=[self.config.mask_token_id] * n,
-                               editable=[True] * n, num_initial_masks=n)
+    def _next_block(self, req: Req) -> BlockState | None:
+        """The block ``req``'s next step runs on; None: nothing to run this step. Under the
+        overlap schedule a step of the request may be in flight: one its algorithm's fixed
+        schedule is sure to end the block lets the next block start at once, its tokens
+        carried on the device (``BlockState.prev``); one sure not to end it is followed by
+        the block's next step; after any other the request waits for the result (a step on
+        a block that had already resolved would be a wasted forward)."""
+        blk = req.full.block
+        if blk is None:  # the host has every committed token
+            if req.committed_len >= req.canvas_len:
+                return None
+            blk = self._new_block(req, req.committed_len, None)
+        elif req.inflight and blk.carry is not None:  # a step on ``blk`` is in flight
+            known = self._known_done(req, blk)
+            if known is None:
+                return None
+            if known:
+                start = blk.start + len(blk.tokens)
+                if start >= req.canvas_len:
+                    return None  # that step ends the request
+                blk = self._new_block(req, start, blk)
+        return blk
 
-    def _query(self, req: Req) -> tuple[int, int, int]:
+    def _new_block(self, req: Req, start: int, prev: BlockState | None) -> BlockState:
+        n = min(req.block_size, req.canvas_len - start)
+        req.full.block = blk = BlockState(
+            start=start, tokens=[self.config.mask_token_id] * n, editable=[True] * n,
+            num_initial_masks=n, prev=prev)
+        return blk
+
+    def _known_done(self, req: Req, blk: BlockState) -> bool | None:
+        """Whether the step in flight on ``blk`` (its ``blk.step - 1``-th) ends it, as the
+        device will compute, when the host knows it whatever the logits (None: it cannot
+        tell)."""
+        step, n = blk.step - 1, len(blk.tokens)
+        if self._first_only(req, step):
+            return n <= 1
+        algo = get_algorithm(req.full.algorithm)
+        config = req.full.algo_config
+        if algo.surely_done(config, step):
+            return True
+        return False if algo.surely_continues(config, step, n) else None
+
+    def _first_only(self, req: Req, step: int) -> bool:
+        """Dream's cached modes: a block's first forward commits its first position alone."""
+        return self.logits_shift > 0 and req.full.cache_mode != "exact" and step == 0
+
+    def _query(self, req: Req, blk: BlockState) -> tuple[int, int, int]:
         """``(first, end, seq_len)``: the row's query covers cache indices [first, end)."""
-        blk, end = req.full.block, req.canvas_len
+        end = req.canvas_len
         if req.full.cache_mode == "exact" or blk.step == 0:
             return 0, end, end
-        first = blk.start
         if req.full.cache_mode == "prefix":
-            return first, end, end
-        return first, blk.start + len(blk.tokens), end  # dual
+            return blk.start, end, end
+        return blk.start, blk.start + len(blk.tokens), end  # dual
 
-    def _canvas(self, req: Req, uncond: bool) -> list[int]:
+    def _canvas(self, req: Req, blk: BlockState, uncond: bool) -> list[int]:
+        """The sequence as the host knows it: a block whose step is still in flight
+        (``blk.prev``) stands as masks, its tokens carried on the device."""
         mask = self.config.mask_token_id
-        blk = req.full.block
+        unread = len(blk.prev.tokens) if blk.prev is not None else 0
         tail = req.canvas_len - blk.start - len(blk.tokens)
         head = [mask] * req.prompt_len if uncond else req.prompt_ids
-        return [*head, *req.output_ids, *blk.tokens, *[mask] * tail]
+        return [*head, *req.output_ids, *[mask] * unread, *blk.tokens, *[mask] * tail]
 
-    def build_step(self, reqs: list[Req]) -> ScheduledBatch:
-        """Conditional rows first (row i is ``reqs[i]``), then the CFG twins."""
-        batch = ScheduledBatch(ForwardMode.EXTEND, kind=StepKind.FULL_STEP,
-                               attention_mask=AttentionMask.FULL, logits_mode=LogitsMode.NONE)
-        twins = [r for r in reqs if r.full.cfg_scale > 0]
-        rows = [(r, False) for r in reqs] + [(r, True) for r in twins]
-        twin_row = {r.rid: len(reqs) + k for k, r in enumerate(twins)}
-        for i, (req, uncond) in enumerate(rows):
-            first, end, seq_len = self._query(req)
+    def _carry(self, req: Req, blk: BlockState, first: int
+               ) -> tuple[tuple[torch.Tensor, int] | None, int, int]:
+        """The carried tokens of a row: ``(source, at, length)``, ``source`` the in-flight
+        output row holding the tokens of the block the host has not read, written at query
+        index ``at`` (None: nothing in flight)."""
+        if not req.inflight:
+            return None, 0, 0
+        if blk.carry is not None:  # the next step of the same block
+            return blk.carry, blk.start - first, len(blk.tokens)
+        prev = blk.prev  # the first step of a block started before the last one was read
+        assert prev is not None and prev.carry is not None, "a step in flight on no block"
+        return prev.carry, prev.start - first, len(prev.tokens)
+
+    def build_step(self, picked: list[tuple[Req, BlockState]]) -> ScheduledBatch:
+        """Conditional rows first (row i is ``picked[i]``), then the CFG twins. Rows of one
+        query length run in the window form (module docstring)."""
+        twins = [(r, b) for r, b in picked if r.full.cfg_scale > 0]
+        rows = [(r, b, False) for r, b in picked] + [(r, b, True) for r, b in twins]
+        queries = [self._query(r, b) for r, b, _ in rows]
+        widths = {end - first for first, end, _ in queries}
+        window = len(widths) == 1 and 0 < (w := next(iter(widths))) <= self.max_window
+        batch = ScheduledBatch(ForwardMode.DLLM_EXTEND if window else ForwardMode.EXTEND,
+                               kind=StepKind.FULL_STEP, attention_mask=AttentionMask.FULL,
+                               logits_mode=LogitsMode.NONE, block_size=w if window else 1)
+        twin_row = {r.rid: len(picked) + k for k, (r, _) in enumerate(twins)}
+        carry = Carry()
+        carry_at: list[int] = []
+        carry_len: list[int] = []
+        top = trace_top([r for r, _ in picked])
+        for i, ((req, blk, uncond), (first, end, seq_len)) in enumerate(
+                zip(rows, queries, strict=True)):
             pool_idx = req.full.cfg_pool_idx if uncond else req.req_pool_idx
-            batch.add_row(req.rid, pool_idx, self._canvas(req, uncond)[first:end], first, seq_len)
+            batch.add_row(req.rid, pool_idx, self._canvas(req, blk, uncond)[first:end], first,
+                          seq_len)
+            batch.row_groups.append(graph_group(req.full.algorithm, top))
+            source, at, length = self._carry(req, blk, first)
+            carry.add(source)
+            carry_at.append(at)
+            carry_len.append(length)
             fields = {
-                "fd.offset": req.full.block.start - first,
+                "fd.offset": blk.start - first,
                 "fd.partner": twin_row[req.rid] - i if req.full.cfg_scale > 0 and not uncond else 0,
                 "fd.uncond": int(uncond),
-                "fd.block_len": len(req.full.block.tokens),
+                "fd.block_len": len(blk.tokens),
                 "fd.cfg_scale": float(req.full.cfg_scale),
-                "fd.first_only": int(self.logits_shift > 0 and req.full.cache_mode != "exact"
-                                     and req.full.block.step == 0),
+                "fd.first_only": int(self._first_only(req, blk.step)),
             }
             for name, value in fields.items():
                 batch.row_inputs.setdefault(name, []).append(value)
-        row_reqs = [r for r, _ in rows]
-        batch.rows = [Row(r) for r in row_reqs]
+            batch.rows.append(Row(req, blk))
+        row_reqs = [r for r, _, _ in rows]
         batch.row_inputs.update(
-            step=[r.full.block.step for r in row_reqs],
-            num_initial_masks=[r.full.block.num_initial_masks for r in row_reqs],
+            step=[b.step for _, b, _ in rows],
+            num_initial_masks=[b.num_initial_masks for _, b, _ in rows],
             **sampling_rows(row_reqs),
             **config_rows(row_reqs),
         )
+        carry.attach(batch)
+        if batch.carry is not None:
+            batch.row_inputs.update(carry_at=carry_at, carry_len=carry_len)
         batch.row_tensors.update(state_rows(row_reqs, self.req_pool.req_to_token.device))
         return batch
+
+    def launched(self, batch: ScheduledBatch, output: Any) -> None:
+        """The step is queued: each block continues from its output row on the device
+        (the next step's input tokens and algorithm state), read by the host or not."""
+        packed, states = output
+        tokens = packed[:, : max(batch.row_inputs["fd.block_len"])]
+        for i, row in enumerate(batch.rows):
+            req = self.row_owner(batch, i)
+            if req is None:  # finished since the batch was built (a retried launch)
+                continue
+            req.inflight += 1  # a CFG request counts its twin's row too: applied row by row
+            if batch.row_inputs["fd.uncond"][i]:
+                continue
+            blk = row.block
+            blk.step += 1
+            blk.carry = (tokens, i)
+            blk.algo_state = {k: v[i] for k, v in states.items()}
 
     def apply_step(self, batch: ScheduledBatch, output: Any) -> list[Req]:
         if output is None:
@@ -274,14 +408,12 @@ class FullDiffusionScheduler(Scheduler):
         result = DenoisePost.read(output, trace_top([row.req for row in batch.rows]))
 
         def apply_row(r: int, req: Req) -> bool:
-            # Rows past the stepped requests are CFG twins (no result of their own).
-            if r >= len(result.tokens) or req.full.block is None:
+            if batch.row_inputs["fd.uncond"][r]:  # a CFG twin: its result is the request's
                 return False
+            blk = batch.rows[r].block
             self._last_run[req.rid] = self._tick
             req.num_forward_passes += 1
             req.num_denoise_forwards += 1
-            blk = req.full.block
-            blk.step += 1
             tokens = result.tokens[r][: len(blk.tokens)]
             if req.trace is not None:
                 req.trace.record_step(blk.start, req.prompt_len, blk.tokens, tokens,
@@ -289,57 +421,87 @@ class FullDiffusionScheduler(Scheduler):
                                       result.trace[r], result.done[r])
             blk.tokens = tokens
             blk.transfers += result.num_transferred[r]
-            blk.algo_state = result.state[r]
-            if result.done[r]:
-                req.num_blocks_committed += 1
+            if not result.done[r]:
+                if blk is not req.full.block:
+                    raise RuntimeError("a block sure to resolve did not (the next block "
+                                       "was launched)")
+                return req.trace is not None and req.trace.keep_events
+            req.num_blocks_committed += 1
+            blk.resolved = True
+            nxt = req.full.block
+            if nxt is blk:
                 req.full.block = None
-                self.commit_traced(req, blk.tokens, blk.editable)
-                return True
-            return req.trace is not None and req.trace.keep_events
+            elif nxt is not None and nxt.prev is blk:  # started already: its tokens are known
+                nxt.prev = None
+            self.commit_traced(req, blk.tokens, blk.editable)
+            return True
 
         return self.apply_rows(batch, apply_row)
 
 
 class FullDiffusionPost:
-    """Device post-step: the current block's logits of each active request (row i of the
-    forward), CFG-combined with its twin's, then ``DenoisePost`` over ``[n, B]`` blocks
-    (``B`` the longest block; shorter blocks are padded with non-editable positions)."""
+    """Device post-step over every row of the forward: the current block's logits of each
+    row (``[n, B]``, ``B`` the longest block; shorter blocks are padded with non-editable
+    positions), a conditional row's CFG-combined with its twin's, then ``DenoisePost``. A
+    CFG twin, and a CUDA graph's padding row, gets a result of its own that the host
+    ignores: the work is the same for every row, so a graph captures it for ``bs`` rows.
+
+    ``width``, ``any_cfg`` (some row has a twin: the twins' block logits are computed) and
+    ``any_first_only`` (Dream's block-start forward in a cached mode) are host facts of the
+    batch and, with the algorithm group and the sampling flags, the identity of a captured
+    graph (``graph_key``)."""
+
+    def __init__(self, num_rows: int, width: int, any_cfg: bool, any_first_only: bool,
+                 denoise: DenoisePost, logits_shift: int,
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.num_rows = num_rows
+        self.width = width
+        self.any_cfg = any_cfg
+        self.any_first_only = any_first_only
+        self.denoise = denoise
+        self.shift = logits_shift
+        self.compute_logits = compute_logits
 
     @classmethod
     def for_batch(cls, batch: ScheduledBatch, mask_token_id: int, logits_shift: int,
                   compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> FullDiffusionPost:
-        """The requests a batch steps: its leading conditional rows (the CFG twins follow)."""
         inp = batch.row_inputs
-        active: list[Req] = []
-        for i, req in enumerate(row.req for row in batch.rows):
-            if inp["fd.uncond"][i]:
-                break
+        for i in range(batch.batch_size):
             partner = i + inp["fd.partner"][i]
-            if partner >= batch.batch_size or batch.rids[partner] != req.rid:
+            if inp["fd.partner"][i] and (partner >= batch.batch_size
+                                         or batch.rids[partner] != batch.rids[i]):
                 # ``split`` keeps a request's rows together; a lone CFG row is a bug.
-                raise RuntimeError(f"request {req.rid}: a classifier-free-guidance row "
+                raise RuntimeError(f"request {batch.rids[i]}: a classifier-free-guidance row "
                                    "without its unconditional twin")
-            active.append(req)
-        return cls(active, mask_token_id, logits_shift, compute_logits)
+        rows = batch.rows
+        denoise = DenoisePost.for_reqs([r.req for r in rows], [r.block for r in rows],
+                                       mask_token_id, 0)
+        width, any_cfg, any_first = _layout(batch)
+        return cls(batch.batch_size, width, any_cfg, any_first, denoise, logits_shift,
+                   compute_logits)
 
-    def __init__(self, reqs: list[Req], mask_token_id: int, logits_shift: int,
-                 compute_logits: Callable[[torch.Tensor], torch.Tensor]):
-        self.reqs = reqs
-        self.width = max((len(r.full.block.tokens) for r in reqs), default=0)
-        self.any_cfg = any(r.full.cfg_scale > 0 for r in reqs)
-        self.shift = logits_shift
-        self.compute_logits = compute_logits
-        self.denoise = DenoisePost.for_reqs(reqs, [r.full.block for r in reqs], mask_token_id, 0)
-        self.any_first_only = bool(logits_shift) and any(
-            r.full.cache_mode != "exact" and r.full.block.step == 0 for r in reqs)
+    @classmethod
+    def for_graph(cls, bs: int, key: Hashable, mask_token_id: int, logits_shift: int,
+                  compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> FullDiffusionPost:
+        """The post-step a CUDA graph of ``bs`` rows captures for ``graph_key`` ``key``."""
+        group, flags, width, any_cfg, any_first = key
+        name, trace = parse_group(group)
+        denoise = DenoisePost({name: list(range(bs))}, bs, mask_token_id, 0, flags, trace)
+        return cls(bs, width, any_cfg, any_first, denoise, logits_shift, compute_logits)
+
+    @staticmethod
+    def graph_key(batch: ScheduledBatch) -> Hashable | None:
+        """What a captured graph of ``batch`` depends on besides its shape; None when no
+        graph can take it (ragged rows, or rows of several algorithms)."""
+        if batch.mode is not ForwardMode.DLLM_EXTEND or len(set(batch.row_groups)) != 1:
+            return None
+        return (batch.row_groups[0], graph_flags(batch.row_inputs), *_layout(batch))
 
     def __call__(self, fb: ForwardBatch, hidden: torch.Tensor,
                  logits: torch.Tensor | None) -> Any:
-        n, width = len(self.reqs), self.width
-        if n == 0:
-            return None
+        n, width = self.num_rows, self.width
         ex = fb.extras
-        lens = fb.extend_lens[: len(fb.extend_lens_cpu)]
+        lens = fb.extend_lens[:n]
         row_start = torch.cumsum(lens, 0) - lens
         j = torch.arange(width, device=hidden.device)
         last = fb.num_tokens - 1
@@ -375,7 +537,7 @@ class FullDiffusionPost:
         """Rows flagged ``fd.first_only`` commit the block's first position alone (Dream's
         proposal there) and keep a fresh algorithm state."""
         ex = view.extras
-        n, width = len(self.reqs), self.width
+        n, width = self.num_rows, self.width
         flag = ex["fd.first_only"][:n].bool()
         sampling = SamplingTensors(ex["temperature"][:n], ex["top_k"][:n], ex["top_p"][:n],
                                    ex["seed"][:n], *self.denoise.flags)
@@ -395,3 +557,9 @@ class FullDiffusionPost:
         packed = torch.where(flag[:, None], patched, packed)
         states = {k: torch.where(flag, torch.zeros_like(v), v) for k, v in states.items()}
         return packed, states
+
+
+def _layout(batch: ScheduledBatch) -> tuple[int, bool, bool]:
+    """``(width, any_cfg, any_first_only)`` of a batch (``FullDiffusionPost``)."""
+    inp = batch.row_inputs
+    return (max(inp["fd.block_len"]), any(inp["fd.partner"]), any(inp["fd.first_only"]))

@@ -49,6 +49,10 @@ class BlockState:
     # Per-row algorithm state kept on the device between steps (0-d tensors).
     algo_state: dict[str, torch.Tensor] = field(default_factory=dict)
     transfers: int = 0  # mask→token transfers so far (metrics)
+    # Full-attention diffusion under the overlap schedule: the block before this one, started
+    # while the step that ends it was in flight; its tokens come from that step's output on
+    # the device (``carry``) until the host reads them (then None).
+    prev: BlockState | None = None
 
 
 @dataclass

@@ -5,16 +5,16 @@ scheduler reads, which the overlap schedule copies to the host early."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from dllm.autoregressive import SampleNext
-from dllm.denoise import DenoisePost, denoise_inputs, parse_group
+from dllm.denoise import GRAPH_FLAGS, DenoisePost, denoise_inputs, graph_flags, parse_group
 from dllm.embedding import pool_parts
 from dllm.full_diffusion import FullDiffusionPost, full_diffusion_inputs
-from dllm.runner.forward_batch import ForwardBatch, StepKind
+from dllm.runner.forward_batch import ForwardBatch, ScheduledBatch, StepKind
 from dllm.runner.host_copy import HostCopy
 from dllm.runner.input_registry import InputRegistry
 from dllm.runner.model_runner import StepSpec
@@ -36,11 +36,30 @@ def _read_denoise(output: tuple[torch.Tensor, dict[str, torch.Tensor]]
     return HostCopy(packed), states
 
 
-def _capture_denoise(bs: int, group: str, flags: tuple[bool, bool, bool],
-                     mask_token_id: int | None, logits_shift: int) -> DenoisePost:
-    """The post-step a graph of ``group`` (``dllm.denoise.graph_group``) captures."""
+def _capture_denoise(bs: int, key: Hashable, mask_token_id: int | None,
+                     logits_shift: int) -> DenoisePost:
+    """The post-step a graph of ``key`` (``_denoise_key``) captures."""
+    group, flags = key
     name, trace = parse_group(group)
     return DenoisePost({name: list(range(bs))}, bs, mask_token_id, logits_shift, flags, trace)
+
+
+def _denoise_key(batch: ScheduledBatch) -> Hashable | None:
+    """A denoise or decode graph's key: the rows' algorithm group (``graph_group``; one for
+    the whole batch) and the sampling flags."""
+    groups = set(batch.row_groups) or {""}
+    if len(groups) != 1:
+        return None
+    return groups.pop(), graph_flags(batch.row_inputs)
+
+
+def startup_graph_keys(kind: StepKind, group: str, width: int | None) -> tuple[Hashable, ...]:
+    """The keys captured at start for the engine's algorithm ``group``: greedy and sampling
+    (full-attention steps: over blocks of ``width`` positions, without CFG and Dream's
+    block-start step, the common ones)."""
+    if kind is StepKind.FULL_STEP:
+        return tuple((group, f, width, False, False) for f in GRAPH_FLAGS) if width else ()
+    return tuple((group if kind is StepKind.DENOISE else "", f) for f in GRAPH_FLAGS)
 
 
 def step_specs(mask_token_id: int | None, logits_shift: int,
@@ -54,12 +73,18 @@ def step_specs(mask_token_id: int | None, logits_shift: int,
             lambda b: DenoisePost.for_reqs([r.req for r in b.rows], [r.block for r in b.rows],
                                            mask_token_id, logits_shift),
             read=_read_denoise,
-            capture=lambda bs, group, flags: _capture_denoise(
-                bs, group, flags, mask_token_id, logits_shift)),
+            capture=lambda bs, key: _capture_denoise(bs, key, mask_token_id, logits_shift),
+            graph_key=_denoise_key),
         StepKind.SAMPLE: StepSpec(SampleNext.for_batch, read=HostCopy,
-                                  capture=lambda bs, group, flags: SampleNext(flags)),
-        StepKind.FULL_STEP: StepSpec(lambda b: FullDiffusionPost.for_batch(
-            b, mask_token_id, logits_shift, compute_logits())),
+                                  capture=lambda bs, key: SampleNext(key[1]),
+                                  graph_key=_denoise_key),
+        StepKind.FULL_STEP: StepSpec(
+            lambda b: FullDiffusionPost.for_batch(b, mask_token_id, logits_shift,
+                                                  compute_logits()),
+            read=_read_denoise,
+            capture=lambda bs, key: FullDiffusionPost.for_graph(
+                bs, key, mask_token_id, logits_shift, compute_logits()),
+            graph_key=FullDiffusionPost.graph_key),
         StepKind.POOL: StepSpec(lambda b: pool_parts),
     }
 

@@ -1,7 +1,16 @@
-"""``CudaGraphRunner`` (DESIGN §7): captures ``DLLM_EXTEND`` at ``bs × block_size`` tokens (the
-unmasking step included) and ``DECODE`` (the sampling step included) for bucketed batch sizes,
-and replays one graph per denoise or decode step. Shapes it did not capture fall back to the
-eager runner.
+"""``CudaGraphRunner`` (DESIGN §7): captures the steps of one kind for bucketed batch sizes,
+the post-step included, and replays one graph per step: ``DLLM_EXTEND`` rows of W query
+tokens each (a denoise step: W = ``block_size``; a full-attention step's window, see
+``dllm.full_diffusion``) and ``DECODE`` (one token a row). Shapes it did not capture fall back
+to the eager runner.
+
+A graph is identified by the padded row count, the tokens per row W and the step's own key
+(``StepSpec.graph_key``: the algorithm, the sampling flags, whatever else the post-step's
+shape depends on). The start-up windows are captured for every size at start; a key not seen
+yet is captured on first use; so is another window, when the graph's tokens (rows × W) are
+at most ``lazy_tokens`` (a graph per shape: a few, for the windows of a workload's
+canvases), else its batches run eagerly. A capture that runs out of device memory leaves
+that shape to the eager runner.
 
 A live batch is padded to the next captured size with padding rows that point at the reserved
 request row 0 and KV page 0, copied into this runner's own static registry (fixed addresses),
@@ -13,7 +22,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +35,7 @@ from dllm.runner.forward_batch import (
     ForwardMode,
     LogitsMode,
     ScheduledBatch,
+    StepKind,
 )
 from dllm.runner.input_registry import InputRegistry
 from dllm.runner.model_runner import ModelRunner, PostStep, Runner
@@ -33,6 +43,13 @@ from dllm.runner.model_runner import ModelRunner, PostStep, Runner
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+# The forward of each captured step kind: mode, attention mask and the logits it computes.
+_FORMS = {
+    StepKind.DENOISE: (ForwardMode.DLLM_EXTEND, AttentionMask.BLOCK_CAUSAL, LogitsMode.ALL),
+    StepKind.FULL_STEP: (ForwardMode.DLLM_EXTEND, AttentionMask.FULL, LogitsMode.NONE),
+    StepKind.SAMPLE: (ForwardMode.DECODE, AttentionMask.CAUSAL, LogitsMode.LAST),
+}
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -49,17 +66,14 @@ class _Graph:
 
 
 class CudaGraphRunner(Runner):
-    """``post_for(mode, bs, group, flags)`` gives the post-step to capture: the unmasking
-    algorithm ``group`` over ``bs`` rows for ``DLLM_EXTEND``, the sampler for ``DECODE``;
-    ``flags`` = (some row samples, some sampled row filters, some row filters), so a greedy
-    batch replays a graph without the sampling work."""
+    """Graphs of the steps of ``kind``. ``post_for(bs, key)`` gives the post-step a graph of
+    ``bs`` rows captures for a batch whose ``graph_key(batch)`` is ``key`` (None: no graph
+    takes the batch); ``windows``: the tokens per row captured at start (``capture_all``)."""
 
-    def __init__(self, owner: ModelRunner, block_size: int, sizes: list[int], max_context: int,
-                 page_size: int,
-                 post_for: Callable[[ForwardMode, int, str, tuple[bool, bool, bool]],
-                                    PostStep],
-                 modes: tuple[ForwardMode, ...] = (ForwardMode.DLLM_EXTEND,),
-                 capture: bool = True):
+    def __init__(self, owner: ModelRunner, kind: StepKind, sizes: list[int], max_context: int,
+                 page_size: int, post_for: Callable[[int, Hashable], PostStep],
+                 graph_key: Callable[[ScheduledBatch], Hashable | None],
+                 windows: tuple[int, ...], lazy_tokens: int = 0, capture: bool = True):
         """``capture=False`` (``disable_cuda_graph``): the same padded batches, planned the
         same way, run eagerly. FlashInfer plans a CUDA-graph batch differently from a general
         one (tile sizes, KV splits) and a padded batch runs GEMMs of another shape, so only
@@ -68,18 +82,22 @@ class CudaGraphRunner(Runner):
 
         self.capture = capture
         self.owner = owner
-        self.block_size = block_size
+        self.kind = kind
+        self.mode, self.attention_mask, self.logits_mode = _FORMS[kind]
+        self.windows = windows if self.mode is ForwardMode.DLLM_EXTEND else (1,)
+        self.lazy_tokens = lazy_tokens if self.mode is ForwardMode.DLLM_EXTEND else 0
         self.sizes = sorted(sizes)
         self.page_size = page_size
         self.post_for = post_for
-        self.modes = modes
+        self.graph_key = graph_key
         # The attention plan's head counts (None: no attention layer, e.g. pure Mamba2).
         self.layer: AttentionLayer | None = next(
             (m.spec for m in owner.model.modules() if isinstance(m, Attention)), None)
         self.dtype = next(owner.model.parameters()).dtype
-        tokens_per_row = block_size if ForwardMode.DLLM_EXTEND in modes else 1
-        self.registry = InputRegistry(self.sizes[-1], self.sizes[-1] * tokens_per_row,
-                                      owner.device)
+        # Fixed buffers for the largest graph (they must not move once a graph reads them).
+        self.registry = InputRegistry(
+            self.sizes[-1], max(self.sizes[-1] * max(self.windows, default=1), self.lazy_tokens),
+            owner.device)
         for name, f in owner.registry.fields.items():
             self.registry.register(name, f.axis, f.dtype, f.pad)
         pages_per_row = -(-max_context // page_size)
@@ -90,29 +108,42 @@ class CudaGraphRunner(Runner):
             for bs in self.sizes
         }
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[ForwardMode, int, str, tuple[bool, bool]], _Graph] = {}
-        self._loaded: _Graph | None = None
+        self.graphs: dict[tuple[int, int, Hashable], _Graph] = {}
+        self.failed: set[tuple[int, int, Hashable]] = set()  # out of memory at capture
+        self._loaded: _Graph | PostStep | None = None
         self.last_replayed: _Graph | None = None  # for profiling (bench/engine/offline.py)
 
     # ---- Runner interface ------------------------------------------------------------
+    def _shape(self, batch: ScheduledBatch) -> tuple[int, int, Hashable] | None:
+        """``(padded rows, tokens per row, key)`` of the graph that would run ``batch``."""
+        if batch.mode is not self.mode or not self.sizes or batch.batch_size > self.sizes[-1]:
+            return None
+        window = batch.block_size if self.mode is ForwardMode.DLLM_EXTEND else 1
+        # Whole windows only: a merged commit row (2·block_size tokens) runs eagerly.
+        if any(n != window for n in batch.extend_lens):
+            return None
+        key = self.graph_key(batch)
+        if key is None:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, batch.batch_size)], window, key
+
     def can_run(self, batch: ScheduledBatch) -> bool:
-        if (batch.mode not in self.modes or not self.sizes
-                or batch.batch_size > self.sizes[-1]):
+        """Whether a graph takes ``batch``; a shape allowed but not captured yet is captured
+        here, first (``capture=False``: nothing to capture)."""
+        shape = self._shape(batch)
+        if shape is None or shape in self.failed:
             return False
-        if batch.mode is ForwardMode.DLLM_EXTEND:
-            # Whole blocks only: a merged commit row (2·block_size tokens) runs eagerly.
-            return (len(set(batch.row_groups)) == 1 and batch.block_size == self.block_size
-                    and all(n == self.block_size for n in batch.extend_lens))
-        return True
+        bs, window, _ = shape
+        if window not in self.windows and bs * window > self.lazy_tokens:
+            return False
+        if not self.capture or shape in self.graphs:
+            return True
+        return self._try_graph(*shape) is not None
 
     def load_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        bs = self.sizes[bisect.bisect_left(self.sizes, batch.batch_size)]
-        group = batch.row_groups[0] if batch.row_groups else ""
-        key = (batch.mode, bs, group, _flags(batch))
-        # First: a graph captured now (a group or flags not seen yet) loads and plans a dummy
-        # batch into the same buffers.
-        self._loaded = self._graph(*key) if self.capture else self.post_for(*key)
-        padded = self._pad(batch, bs)
+        bs, window, key = self._shape(batch)
+        self._loaded = self.graphs[bs, window, key] if self.capture else self.post_for(bs, key)
+        padded = self._pad(batch, bs, window)
         fb = self.registry.load(padded, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, self.backends[bs]
         fb.state_pool = self.owner.state_pool
@@ -131,54 +162,64 @@ class CudaGraphRunner(Runner):
         return _detach(g.output)
 
     # ---- capture ---------------------------------------------------------------------
-    def capture_all(self, groups: list[str]) -> None:
-        """Capture every size, largest first (smaller graphs reuse its memory pool). A size
-        whose capture runs out of device memory is dropped with a warning: its batches run on
-        the next larger captured size or, above the largest, eagerly."""
+    def capture_all(self, keys: list[Hashable]) -> None:
+        """Capture every size for the start-up windows and ``keys``, largest first (smaller
+        graphs reuse its memory pool). A size whose capture runs out of device memory is
+        dropped with a warning: its batches run on the next larger captured size or, above
+        the largest, eagerly."""
         if not self.capture:
             return
         dropped = []
         for bs in reversed(list(self.sizes)):
             try:
-                for mode in self.modes:
-                    for group in (groups if mode is ForwardMode.DLLM_EXTEND else [""]):
-                        for flags in ((False, False, False), (True, True, True)):
-                            self._graph(mode, bs, group, flags)
+                for window in self.windows:
+                    for key in keys:
+                        self._graph(bs, window, key)
                 continue
             except torch.OutOfMemoryError:
                 pass
             # Out of memory: drop the size, and free the failed attempt's tensors (unreferenced
             # once the exception is gone).
-            self.graphs = {k: g for k, g in self.graphs.items() if k[1] != bs}
+            self.graphs = {k: g for k, g in self.graphs.items() if k[0] != bs}
             self.sizes.remove(bs)
             del self.backends[bs]
             dropped.append(bs)
-            torch.cuda.synchronize()
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free()
         if dropped:
             logger.warning("CUDA graphs: out of device memory capturing batch size(s) %s; "
                            "captured %s (larger batches run eagerly; a lower "
                            "--cuda-graph-max-bs or KV budget avoids this)",
                            sorted(dropped), self.sizes)
 
-    def _graph(self, mode: ForwardMode, bs: int, group: str,
-               flags: tuple[bool, bool, bool]) -> _Graph:
-        key = (mode, bs, group, flags)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(mode, bs, group, flags)
-        return self.graphs[key]
+    def _try_graph(self, bs: int, window: int, key: Hashable) -> _Graph | None:
+        """A graph captured on first use; None (and the shape left to the eager runner) when
+        its capture runs out of device memory."""
+        try:
+            return self._graph(bs, window, key)
+        except torch.OutOfMemoryError:
+            self.failed.add((bs, window, key))
+            _free()
+            logger.warning("CUDA graphs: out of device memory capturing %d rows of %d "
+                           "tokens; such batches run eagerly", bs, window)
+            return None
 
-    def _capture(self, mode: ForwardMode, bs: int, group: str,
-                 flags: tuple[bool, bool, bool]) -> _Graph:
+    def _graph(self, bs: int, window: int, key: Hashable) -> _Graph:
+        shape = (bs, window, key)
+        if shape not in self.graphs:
+            self.graphs[shape] = self._capture(bs, window, key)
+        return self.graphs[shape]
+
+    def _capture(self, bs: int, window: int, key: Hashable) -> _Graph:
         backend = self.backends[bs]
-        dummy = self._pad(self._empty(mode), bs)
+        dummy = self._pad(ScheduledBatch(self.mode, attention_mask=self.attention_mask,
+                                         block_size=window, logits_mode=self.logits_mode,
+                                         kind=self.kind), bs, window)
         fb = self.registry.load(dummy, self.owner.req_to_token)
         fb.kv_pool, fb.attn_backend = self.owner.kv_pool, backend
         fb.state_pool = self.owner.state_pool
         if self.layer is not None:
             backend.plan(fb, self.layer, self.dtype)
-        post = self.post_for(mode, bs, group, flags)
+        post = self.post_for(bs, key)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -188,22 +229,14 @@ class CudaGraphRunner(Runner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = post(fb, *self.owner.run_model(fb))
-        logger.debug("captured %s bs=%d %s", mode.value, bs, group)
+        logger.debug("captured %s bs=%d window=%d %s", self.mode.value, bs, window, key)
         return _Graph(graph, fb, output, backend)
 
     # ---- padding ---------------------------------------------------------------------
-    def _empty(self, mode: ForwardMode) -> ScheduledBatch:
-        if mode is ForwardMode.DLLM_EXTEND:
-            return ScheduledBatch(mode, attention_mask=AttentionMask.BLOCK_CAUSAL,
-                                  block_size=self.block_size, logits_mode=LogitsMode.ALL)
-        return ScheduledBatch(mode, attention_mask=AttentionMask.CAUSAL,
-                              logits_mode=LogitsMode.LAST)
-
-    def _pad(self, batch: ScheduledBatch, bs: int) -> ScheduledBatch:
-        """``batch`` plus padding rows up to ``bs``: request row 0 (reserved, all slots in
-        page 0), positions from 0, settings at each field's padding value."""
+    def _pad(self, batch: ScheduledBatch, bs: int, t: int) -> ScheduledBatch:
+        """``batch`` plus padding rows of ``t`` tokens up to ``bs``: request row 0 (reserved,
+        all slots in page 0), positions from 0, settings at each field's padding value."""
         n = bs - batch.batch_size
-        t = self.block_size if batch.mode is ForwardMode.DLLM_EXTEND else 1
         out = ScheduledBatch(
             batch.mode, list(batch.rids), list(batch.req_pool_indices), list(batch.input_ids),
             list(batch.positions), list(batch.prefix_lens), list(batch.extend_lens),
@@ -221,6 +254,8 @@ class CudaGraphRunner(Runner):
         fields = self.registry.fields
         for name in (set(fields) - set(_CORE)):
             f = fields[name]
+            if name in _OPTIONAL and name not in batch.row_inputs:
+                continue  # their absence means something (the carry's whole width)
             if f.axis == "reqs" and name.startswith("state."):
                 src = batch.row_tensors.get(name)
                 if src is not None and n == 0:  # a full batch: no padding rows to add
@@ -237,16 +272,18 @@ class CudaGraphRunner(Runner):
         return out
 
 
-def _flags(batch: ScheduledBatch) -> tuple[bool, bool, bool]:
-    """Greedy batches replay the graph without sampling work; any sampling row takes the
-    general graph (exact for every row). The flags are ``sampling_flags``'."""
-    greedy = all(t == 0 for t in batch.row_inputs["temperature"])
-    return (False, False, False) if greedy else (True, True, True)
-
-
 _CORE = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "prefix_lens",
          "extend_lens", "seq_lens", "state_read_slots", "state_write_slots",
          "state_track_slots")
+# Registry inputs a batch may leave out (``InputRegistry._gather_carry``).
+_OPTIONAL = ("carry_at", "carry_len")
+
+
+def _free() -> None:
+    """Give back what a failed capture allocated (its tensors are unreferenced by now)."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _detach(output: Any) -> Any:

@@ -56,9 +56,13 @@ class InputRegistry:
         self.max_bs = max_bs
         self.max_tokens = max_tokens
         self.device = device
-        # ``ScheduledBatch.carry``'s row index per request (-1: the host's input ids).
+        # ``ScheduledBatch.carry``'s row index per request (-1: the host's input ids), and
+        # where a batch gives them, the query index of the first carried token and how many
+        # there are (else the row's first ``carry.shape[1]``).
         self.fields: dict[str, Field] = {**CORE_FIELDS, **STATE_FIELDS,
-                                         "carry_row": Field("reqs", torch.int64, -1)}
+                                         "carry_row": Field("reqs", torch.int64, -1),
+                                         "carry_at": Field("reqs", torch.int64, 0),
+                                         "carry_len": Field("reqs", torch.int64, 0)}
         self.buffers: dict[str, torch.Tensor] = {}
         self._host_bytes: list[torch.Tensor] = []  # the two pinned host mirrors
         self._dev_bytes: torch.Tensor | None = None
@@ -132,9 +136,26 @@ class InputRegistry:
     @staticmethod
     def _check_carry(batch: ScheduledBatch) -> None:
         width = batch.carry.shape[1]
-        if "carry_row" not in batch.row_inputs or any(n < width for n in batch.extend_lens):
-            raise ValueError("a carried batch needs a carry_row per row and "
-                             f"at least {width} tokens in every row")
+        inp = batch.row_inputs
+        if "carry_row" not in inp:
+            raise ValueError("a carried batch needs a carry_row per row")
+        if "carry_at" in inp:
+            if any(r >= 0 and not (0 <= at and at + n <= min(width + at, lens))
+                   for r, at, n, lens in zip(inp["carry_row"], inp["carry_at"],
+                                             inp["carry_len"], batch.extend_lens, strict=True)):
+                raise ValueError("a carried row's tokens must lie inside the row and the carry")
+        elif any(n < width for n in batch.extend_lens):
+            raise ValueError(f"a carried batch needs at least {width} tokens in every row")
+
+    @staticmethod
+    def _offset_carry(batch: ScheduledBatch) -> bool:
+        """Whether the batch places carried tokens other than at each row's start, or fewer
+        than the carry's width (``carry_at`` / ``carry_len``)."""
+        inp = batch.row_inputs
+        width = batch.carry.shape[1]
+        return "carry_at" in inp and any(
+            r >= 0 and (at or n != width)
+            for r, at, n in zip(inp["carry_row"], inp["carry_at"], inp["carry_len"], strict=True))
 
     def _gather_carry(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
         """Rows with a ``carry_row`` take their first ``width`` input ids (all of them but in
@@ -142,6 +163,18 @@ class InputRegistry:
         after the host values landed: the copy and this gather are stream-ordered)."""
         bs, width = batch.batch_size, batch.carry.shape[1]
         src = self.buffers["carry_row"][:bs]
+        if self._offset_carry(batch):  # token by token: row r's tokens [at, at + len)
+            lens = self.buffers["extend_lens"][:bs]
+            t = batch.num_tokens
+            row = torch.repeat_interleave(torch.arange(bs, device=lens.device), lens,
+                                          output_size=t)
+            j = (torch.arange(t, device=lens.device) - (torch.cumsum(lens, 0) - lens)[row]
+                 - self.buffers["carry_at"][:bs][row])
+            take = (src[row] >= 0) & (j >= 0) & (j < self.buffers["carry_len"][:bs][row])
+            ids = input_ids[:t]
+            carried = batch.carry[src[row].clamp(min=0), j.clamp(0, width - 1)]
+            ids.copy_(torch.where(take, carried, ids))
+            return
         if batch.num_tokens == bs * width:
             ids = input_ids[: bs * width].view(bs, width)
             ids.copy_(torch.where((src >= 0)[:, None], batch.carry[src.clamp(min=0)], ids))
@@ -168,7 +201,8 @@ class InputRegistry:
                              else 1 if batch.mode is ForwardMode.DECODE else 0)
                 or any(n != width for n in batch.extend_lens)
                 or req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1
-                or (carry is not None and carry.dtype != torch.int64)):
+                or (carry is not None and (carry.dtype != torch.int64 or carry.shape[1] != width
+                                           or self._offset_carry(batch)))):
             return False
         stage = kernel_module("stage_kernel")
         if stage is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,20 +56,25 @@ class StepSpec:
     """How one kind of step runs. ``post(batch)``: its device post-step (None: the output is
     the hidden states and logits). ``read(output)``: under the overlap schedule, start the
     copy of the part the scheduler's ``update`` reads (None: the kind is applied at once,
-    never a step late). ``capture(bs, group, flags)``: the post-step a CUDA graph of ``bs``
-    rows captures for this kind (``group``: the rows' algorithm; ``flags``:
-    ``sampling_flags``)."""
+    never a step late). ``graph_key(batch)``: what a CUDA graph of the batch's post-step
+    depends on besides the batch's shape (the rows' algorithm, the sampling flags, ...;
+    None: no graph takes the batch); ``capture(bs, key)``: the post-step a graph of ``bs``
+    rows captures for that key."""
 
     post: Callable[[ScheduledBatch], PostStep | None]
     read: Callable[[Any], Any] | None = None
-    capture: Callable[[int, str, tuple[bool, bool, bool]], PostStep] | None = None
+    capture: Callable[[int, Hashable], PostStep] | None = None
+    graph_key: Callable[[ScheduledBatch], Hashable | None] | None = None
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
     """What a runner is built from (the engine derives it from its config and the checkpoint).
     ``block_size``: the tokens a request reserves at a time; ``graph_kind`` the step kind
-    captured in CUDA graphs (None: none), ``graph_group`` the algorithm it captures."""
+    captured in CUDA graphs (None: none): at start for ``graph_keys`` (``StepSpec.graph_key``
+    values: the engine's algorithm, greedy and sampling) and rows of ``graph_windows`` tokens
+    (denoise steps: the block size), other windows on first use up to ``graph_lazy_tokens``
+    tokens a graph (``dllm.runner.cuda_graph``)."""
 
     model_path: str
     device: torch.device
@@ -85,12 +90,15 @@ class RunnerConfig:
     context_length: int
     block_size: int
     graph_kind: StepKind | None = None
-    graph_group: str = ""
+    graph_keys: tuple[Hashable, ...] = ()
+    graph_windows: tuple[int, ...] = ()
+    graph_lazy_tokens: int = 0
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     # The most forward rows one request takes in a step: 2 where block diffusion runs a merged
-    # commit as two whole-block rows (``dllm.block_diffusion``), else 1.
+    # commit as two whole-block rows (``dllm.block_diffusion``) and for full-attention
+    # diffusion (a CFG request's unconditional twin), else 1.
     rows_per_request: int = 1
     tp_rank: int = 0  # this rank among the tensor-parallel ranks (``dllm.models.parallel``)
     tp_size: int = 1
@@ -258,8 +266,8 @@ class ModelRunner:
                 install_ops(self.model, fla)
 
     def _init_cuda_graphs(self) -> None:
-        """Capture the ``graph_kind`` steps (denoise or decode) on CUDA with FlashInfer;
-        everything else, and every shape not captured, runs eagerly. With
+        """Capture the ``graph_kind`` steps (denoise, full-attention or decode) on CUDA with
+        FlashInfer; everything else, and every shape not captured, runs eagerly. With
         ``disable_cuda_graph`` those steps still run padded to the capture sizes and planned
         as a graph would be, without capture (so eager and graph outputs are identical)."""
         cfg, kind = self.config, self.config.graph_kind
@@ -268,10 +276,9 @@ class ModelRunner:
             return
         from dllm.runner.cuda_graph import CudaGraphRunner, capture_sizes
 
-        capture = self.steps[kind].capture
-        mode = ForwardMode.DLLM_EXTEND if kind is StepKind.DENOISE else ForwardMode.DECODE
-        # Rows, not requests: a merged commit takes two rows of one request.
-        max_rows = cfg.max_running_requests * (cfg.rows_per_request if kind is StepKind.DENOISE
+        spec = self.steps[kind]
+        # Rows, not requests: a merged commit, or a CFG twin, takes a second row.
+        max_rows = cfg.max_running_requests * (cfg.rows_per_request if kind is not StepKind.SAMPLE
                                                else 1)
         max_bs = min(cfg.cuda_graph_max_bs or max_rows, max_rows, 256)
         sizes = ([s for s in cfg.cuda_graph_batch_sizes if s <= max_rows]
@@ -280,13 +287,13 @@ class ModelRunner:
             logger.warning("CUDA graphs: batch sizes above %d rows (max_running_requests=%d) "
                            "are not captured (asked for %s)", max_rows,
                            cfg.max_running_requests, list(cfg.cuda_graph_batch_sizes))
-        if not sizes or capture is None:
+        if not sizes or spec.capture is None or spec.graph_key is None:
             return
         graphs = CudaGraphRunner(
-            self, cfg.block_size, sizes, self.req_pool.max_context, cfg.page_size,
-            lambda _mode, bs, group, flags: capture(bs, group, flags), modes=(mode,),
+            self, kind, sizes, self.req_pool.max_context, cfg.page_size, spec.capture,
+            spec.graph_key, cfg.graph_windows, cfg.graph_lazy_tokens,
             capture=not cfg.disable_cuda_graph)
-        graphs.capture_all([cfg.graph_group])
+        graphs.capture_all(list(cfg.graph_keys))
         self.add_runner(graphs)
 
     def add_runner(self, runner: Runner) -> None:

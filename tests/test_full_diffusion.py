@@ -333,7 +333,8 @@ def test_step_has_no_host_sync(engines):
 
     with forbid_host_sync():
         out = e.runner.forward(batch, post)
-    assert len(DenoisePost.read(out).tokens) == 3
+    # A result row per forward row: the CFG twin's is computed and ignored by the host.
+    assert len(DenoisePost.read(out).tokens) == 4
     for r in reqs:
         e.abort(r.rid)
     e.check_memory()
@@ -354,3 +355,143 @@ def test_cfg_request_whose_forward_always_fails_ends_with_an_error(engines):
                 break
     assert req.finish_reason is FinishReason.ERROR and "injected failure" in req.error
     e.check_memory()
+
+
+# ---- the window form and the overlap schedule ------------------------------------------------
+
+MIXED = [  # (algorithm, settings, temperature): fixed schedules and a threshold rule
+    ("low_confidence_static", {"steps": 4}, 0.0),
+    ("threshold", {"threshold": 0.5}, 0.0),
+    ("low_confidence_static", {"steps": 8, "remasking": "random"}, 0.7),
+]
+DREAM_MIXED = [("entropy", {"steps": 4}, 0.0), ("maskgit_plus", {"steps": 8}, 0.7),
+               ("confidence_threshold", {"steps": 4, "threshold": 0.5}, 0.0)]
+
+
+def mixed_params(family: str, n: int) -> list[SamplingParams]:
+    table = DREAM_MIXED if family == "dream" else MIXED
+    out = []
+    for i in range(n):
+        algorithm, keys, temperature = table[i % len(table)]
+        out.append(SamplingParams(
+            max_new_tokens=8, ignore_eos=True, seed=i, temperature=temperature,
+            dllm={"algorithm": algorithm, "block_size": 4, **keys,
+                  "cache_mode": ("exact", "prefix", "dual")[i % 3],
+                  **({"cfg_scale": 1.0} if family == "llada" and i % 4 == 3 else {})}))
+    return out
+
+
+class Recorder:
+    """Every batch the engine's runner is handed (a real engine, its forward wrapped)."""
+
+    def __init__(self, engine):
+        self.batches = []
+        self.engine = engine
+        self.forward = engine.runner.forward
+
+    def __enter__(self):
+        def recording(batch, post=None):
+            self.batches.append(batch)
+            return self.forward(batch, post)
+
+        self.engine.runner.forward = recording
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.runner.forward = self.forward
+
+
+def outcome(reqs) -> list[tuple]:
+    return [(r.output_ids, r.num_forward_passes, r.num_denoise_forwards, r.num_blocks_committed,
+             r.finish_reason) for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def overlap_pairs(tmp_path_factory) -> dict[str, tuple[LLM, LLM]]:
+    out = {}
+    for name in ("llada", "dream"):
+        path = str(make_tiny_checkpoint(ARCHS[name], tmp_path_factory.mktemp(f"ov-{name}"),
+                                        seed=1))
+        out[name] = tuple(LLM(path, max_running_requests=8, page_size=4, overlap_schedule=o)
+                          for o in (True, False))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_overlap_equals_plain(overlap_pairs, family):
+    """Under the overlap schedule (each step queued before the last one is read) every
+    request gives the tokens, forward counts and endings of the plain loop: alone, the cache
+    modes, fixed schedules (the next block starts while the step ending a block is in
+    flight, its tokens carried) and threshold rules (the request waits for the result), CFG
+    and Dream's block-start steps, with requests arriving one per step."""
+    overlapped, plain = overlap_pairs[family]
+    prompts = [prompt_of(n, salt=5) for n in (3, 6, 1, 8, 4, 5)]
+    params = mixed_params(family, len(prompts))
+    results = []
+    for llm in (overlapped, plain):
+        e = llm.engine
+        reqs = [e.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        with Recorder(e) as rec:
+            run_staggered(e, reqs)
+            e.drain()
+        e.check_memory()
+        assert e.kv_pool.num_free_pages == e.kv_pool.num_usable_pages
+        results.append((outcome(reqs), rec.batches))
+    (got, batches), (want, plain_batches) = results
+    assert got == want
+    assert not any(b.carry is not None for b in plain_batches)
+    carried = [b for b in batches if b.carry is not None]
+    assert carried, "no step continued from a result in flight"
+    # Steps of a block started before the last one was read: its tokens carried into the
+    # canvas at the finished block's offset (exact, and every block-start refresh).
+    assert any(any(b.row_inputs["carry_at"]) for b in carried)
+
+
+def test_window_form_equals_ragged_rows(overlap_pairs):
+    """Uniform steps run as ``DLLM_EXTEND`` windows (the shape a CUDA graph captures);
+    with the window form off every step is a ragged ``EXTEND``: the same tokens."""
+    from dllm.runner.forward_batch import ForwardMode
+
+    llm = overlap_pairs["llada"][1]
+    e = llm.engine
+    prompts = [prompt_of(5, salt=s) for s in range(4)]  # one canvas length: steps in step
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, seed=i,
+                             dllm={"block_size": 4, "steps": 4,
+                                   "cache_mode": ("exact", "prefix", "dual", "dual")[i],
+                                   **({"cfg_scale": 1.5} if i == 3 else {})})
+              for i in range(4)]
+    outs = {}
+    for max_window in (e.scheduler.max_window, 0):
+        e.scheduler.max_window = max_window
+        try:
+            with Recorder(e) as rec:
+                outs[max_window] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            e.scheduler.max_window = 2048
+        modes = {b.mode for b in rec.batches}
+        assert modes == ({ForwardMode.EXTEND} if max_window == 0
+                         else {ForwardMode.EXTEND, ForwardMode.DLLM_EXTEND})
+    assert outs[2048] == outs[0]
+    e.check_memory()
+
+
+def test_carried_tokens_land_at_their_offsets():
+    """``carry_at`` / ``carry_len``: a row takes ``len`` tokens of its carried row at query
+    index ``at``; the rest of the row, and rows without a carry, keep the host's ids."""
+    from dllm.runner.forward_batch import ForwardMode, ScheduledBatch
+    from dllm.runner.input_registry import InputRegistry
+
+    registry = InputRegistry(4, 64, torch.device("cpu"))
+    table = torch.arange(4 * 32, dtype=torch.int64).view(4, 32)
+    batch = ScheduledBatch(ForwardMode.EXTEND)
+    batch.add_row("a", 1, [1] * 6, 0)
+    batch.add_row("b", 2, [2] * 3, 5, 9)
+    batch.add_row("c", 3, [3] * 5, 0)
+    batch.carry = torch.tensor([[70, 71, 72, 73], [80, 81, 82, 83]])
+    batch.row_inputs.update(carry_row=[1, -1, 0], carry_at=[2, 0, 1], carry_len=[3, 0, 4])
+    fb = registry.load(batch, table)
+    assert fb.input_ids.tolist() == [1, 1, 80, 81, 82, 1, 2, 2, 2, 3, 70, 71, 72, 73]
+    assert fb.out_cache_loc.tolist() == [32, 33, 34, 35, 36, 37, 69, 70, 71, 96, 97, 98, 99, 100]
+    batch.row_inputs.update(carry_at=[4, 0, 1])  # past the row's end: refused
+    with pytest.raises(ValueError, match="inside the row"):
+        registry.load(batch, table)

@@ -243,6 +243,55 @@ def test_cuda_graph_equals_eager_grouped_moe(tmp_path, monkeypatch):
     graph.engine.check_memory()
 
 
+@pytest.fixture(scope="module")
+def full_gpu(tmp_path_factory) -> dict[str, str]:
+    """Tiny LLaDA and Dream with head_dim 128 (the Triton attention's sizes)."""
+    return {
+        "llada": str(make_tiny_checkpoint(
+            "LLaDAModelLM", tmp_path_factory.mktemp("llada"), seed=1, d_model=256, n_heads=2,
+            n_kv_heads=2, mlp_hidden_size=512)),
+        "dream": str(make_tiny_checkpoint(
+            "DreamModel", tmp_path_factory.mktemp("dream"), seed=1, hidden_size=256,
+            num_attention_heads=2, num_key_value_heads=1, intermediate_size=512)),
+    }
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("mode", ["exact", "prefix", "dual"])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_cuda_graph_equals_eager_full_attention(full_gpu, family, mode, overlap):
+    """Full-attention steps in the window form replay CUDA graphs (the dual cache's window
+    captured at start, the others on first use) and equal the same padded steps run eagerly
+    token for token: every cache mode, greedy and sampled, CFG twins (LLaDA) and Dream's
+    block-start steps, under the overlap schedule and the plain loop."""
+    from dllm.runner.cuda_graph import CudaGraphRunner
+
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=8, overlap_schedule=overlap)
+    steps = {"algorithm": "entropy" if family == "dream" else "low_confidence_static",
+             "steps": 16, "block_size": 8, "cache_mode": mode}
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, seed=i,
+                             temperature=0.7 * (i % 2),
+                             dllm={**steps, **({"cfg_scale": 1.0}
+                                              if family == "llada" and i == 2 else {})})
+              for i in range(5)]
+    batch = [prompts(3)[2]] * 5  # one canvas length: the rows stay in step
+    graph = LLM(full_gpu[family], **kw)
+    runner = graph.engine.runner.runners[0]
+    assert isinstance(runner, CudaGraphRunner) and runner.capture
+    got = [o.token_ids for o in graph.generate(batch, params)]
+    assert runner.last_replayed is not None  # steps ran as graphs
+    # at start: LLaDA's default block (32), none for Dream (its block is the canvas); the
+    # requests' windows (blocks of 8, canvases, suffixes) were captured on first use
+    assert runner.windows == ((32,) if family == "llada" else ())
+    assert any(window not in runner.windows for _, window, _ in runner.graphs)
+    eager = LLM(full_gpu[family], disable_cuda_graph=True, **kw)
+    assert not eager.engine.runner.runners[0].capture
+    assert got == [o.token_ids for o in eager.generate(batch, params)]
+    assert all(len(t) == 16 for t in got)
+    graph.engine.check_memory()
+
+
 def test_cuda_graph_equals_eager_decode(tmp_path):
     path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=0, hidden_size=256,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128))

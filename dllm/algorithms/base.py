@@ -185,6 +185,13 @@ class UnmaskingAlgorithm(ABC):
         step only then (``dllm.block_diffusion``). Default: never known."""
         return False
 
+    def surely_continues(self, config: Mapping[str, Any], step: int, block_len: int) -> bool:
+        """Whether the block is certainly NOT done after denoise step ``step`` of a block of
+        ``block_len`` masked positions, whatever the logits (the overlap schedule of
+        full-attention diffusion queues the block's next step before reading this one's
+        result only then: ``dllm.full_diffusion``). Default: never known."""
+        return False
+
     def validate(self, config: Mapping[str, Any], block_size: int) -> dict:
         """Merge ``config`` over ``defaults`` and check it; ValueError names the bad key.
 

@@ -105,6 +105,16 @@ def schedule_over(x: DenoiseInput) -> Tensor:
     return x.step + 1 >= x.config["steps"]
 
 
+class _Scheduled(UnmaskingAlgorithm):
+    """Dream's fixed schedules: the block ends at its last step (``schedule_over``)."""
+
+    def surely_done(self, config: Mapping[str, Any], step: int) -> bool:
+        return step + 1 >= config["steps"]
+
+    def surely_continues(self, config: Mapping[str, Any], step: int, block_len: int) -> bool:
+        return step + 1 < config["steps"]
+
+
 def dream_probs(logits: Tensor, sampling: SamplingTensors) -> Tensor:
     """Dream's ``sample_tokens`` distribution per position (module docstring), float32;
     split logits give split probabilities (:mod:`dllm.algorithms.vocab_parallel`)."""
@@ -151,7 +161,7 @@ def _propose(x: DenoiseInput) -> tuple[Tensor, Tensor]:
     return probs, dream_propose(probs, x.sampling, x.step, x.positions)
 
 
-class DreamOrigin(UnmaskingAlgorithm):
+class DreamOrigin(_Scheduled):
     """Dream ``alg="origin"``: independent per-position transfers (module docstring), the
     per-position coin a counter-RNG uniform; a step may transfer nothing."""
 
@@ -171,7 +181,7 @@ class DreamOrigin(UnmaskingAlgorithm):
         return out
 
 
-class _DreamRanked(UnmaskingAlgorithm):
+class _DreamRanked(_Scheduled):
     """Shared body of Dream's confidence-ranked schedules."""
 
     defaults = {"steps": 0, "alg_temp": 0.0}
@@ -245,6 +255,9 @@ class DreamConfidenceThreshold(UnmaskingAlgorithm):
     name = "confidence_threshold"
     defaults = {"steps": 0, "threshold": 0.9}
     state_keys = ("carry", "extra_steps")
+
+    def surely_continues(self, config: Mapping[str, Any], step: int, block_len: int) -> bool:
+        return step + 1 < config["steps"]  # added steps only come after the scheduled ones
 
     def validate(self, config: Mapping[str, Any], block_size: int) -> dict:
         out = super().validate(config, block_size)

@@ -4,7 +4,7 @@ SDAR's sequential order."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -48,8 +48,22 @@ class _Scheduled(UnmaskingAlgorithm):
     """The algorithms of ``step_quota``'s schedule: the block ends at its last scheduled step
     at the latest (``schedule_done``)."""
 
+    # Whether a step never fills more than its quota (the dynamic rule may fill more).
+    at_most_quota: ClassVar[bool] = True
+
     def surely_done(self, config: Mapping[str, Any], step: int) -> bool:
         return step + 1 >= config["steps_per_block"]
+
+    def surely_continues(self, config: Mapping[str, Any], step: int, block_len: int) -> bool:
+        """Before the last step: always with ``all_steps``; else while the quotas so far
+        leave a mask (a step fills at most its quota: masks remain)."""
+        steps = config["steps_per_block"]
+        if step + 1 >= steps:
+            return False
+        if config["all_steps"]:
+            return True
+        filled = (block_len // steps) * (step + 1) + min(step + 1, block_len % steps)
+        return self.at_most_quota and filled < block_len
 
 
 class LowConfidenceStatic(_Scheduled):
@@ -120,6 +134,7 @@ class LowConfidenceDynamic(_Scheduled):
     name = "low_confidence_dynamic"
     defaults = {"threshold": 0.85, "steps_per_block": 0, "all_steps": False,
                 "rank_unfiltered": False}
+    at_most_quota = False
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
