@@ -21,7 +21,8 @@ from torch import nn
 from dllm.models.config import ModelConfig
 from dllm.models.decoder import AttentionSpec, DecoderLM, SelfAttention, hf_lm_sizes
 from dllm.models.layers import RopeSpec, SwiGLUMLP, check_silu
-from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
+from dllm.models.moe import StackedExperts
+from dllm.models.ops import UsesOps
 from dllm.models.parallel import all_reduce
 from dllm.models.weights import STACK_EXPERTS, WeightRule
 
@@ -46,7 +47,7 @@ class LLaDA2Gate(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
 
-class LLaDA2MoE(nn.Module):
+class LLaDA2MoE(UsesOps, nn.Module):
     def __init__(self, config: ModelConfig, hidden_size: int):
         super().__init__()
         num_experts = config.get_int("num_experts")
@@ -72,10 +73,10 @@ class LLaDA2MoE(nn.Module):
         """float32 weights and int64 expert ids, ``[T, K]``."""
         logits = self.gate(x)
         if self.score_function == "softmax":
-            weights, ids = softmax_topk(logits, self.top_k, self.renormalize)
+            weights, ids = self.ops.moe_route_softmax(logits, self.top_k, self.renormalize)
             return weights * self.scaling, ids
-        return sigmoid_grouped_topk(logits, self.top_k, self.n_group, self.topk_group,
-                                    self.gate.expert_bias, self.renormalize, self.scaling)
+        return self.ops.moe_route_sigmoid(logits, self.top_k, self.n_group, self.topk_group,
+                                          self.gate.expert_bias, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.route(x)

@@ -187,7 +187,7 @@ def sigmoid_grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int, 
 # ---------------------------------------------------------------------------------------------
 
 
-class SoftmaxMoE(nn.Module):
+class SoftmaxMoE(UsesOps, nn.Module):
     """Router ``gate`` (``[E, H]``, no bias) + stacked experts, optional ``expert_bias`` and an
     optional always-on ``shared_expert`` added to the routed output."""
 
@@ -208,7 +208,8 @@ class SoftmaxMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 weights and int64 expert ids, ``[T, K]``."""
-        return softmax_topk(self.gate(x), self.top_k, self.renormalize, self.expert_bias)
+        return self.ops.moe_route_softmax(self.gate(x), self.top_k, self.renormalize,
+                                          self.expert_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.route(x)

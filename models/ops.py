@@ -1,6 +1,7 @@
 """The per-layer math that a runner may swap for fused kernels: RMSNorm (plain, with the
 residual add, per head), SwiGLU's ``silu(gate) * up``, rotary embedding, the linear
-projections of the shared decoder layers and the SSM scan of the Mamba2 mixers.
+projections of the shared decoder layers, the MoE routers and experts and the SSM scan of the
+Mamba2 mixers.
 
 ``LayerOps`` is the plain-PyTorch reference (the CPU path and the numerics tests compare
 against). A runner installs a faster implementation of the same interface on every module of a
@@ -59,6 +60,26 @@ class LayerOps:
         if self.grouped_moe:
             return experts.forward_grouped(x, topk_ids, topk_weights)
         return experts.forward_loop(x, topk_ids, topk_weights)
+
+    def moe_route_sigmoid(self, logits: torch.Tensor, top_k: int, n_group: int,
+                          topk_group: int, bias: torch.Tensor | None, renormalize: bool,
+                          scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """LLaDA2 / Ling routing of router logits ``[T, E]``: float32 weights and int64
+        expert ids ``[T, K]``, as ``dllm.models.moe.sigmoid_grouped_topk`` computes them."""
+        from dllm.models.moe import sigmoid_grouped_topk
+
+        return sigmoid_grouped_topk(logits, top_k, n_group, topk_group, bias, renormalize,
+                                    scaling_factor)
+
+    def moe_route_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool,
+                          bias: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax top-k routing of router logits ``[T, E]`` (Qwen3-MoE, SDAR-MoE,
+        LLaDA-MoE): float32 weights and int64 expert ids ``[T, K]``, as
+        ``dllm.models.moe.softmax_topk`` computes them."""
+        from dllm.models.moe import softmax_topk
+
+        return softmax_topk(logits, top_k, renormalize, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * x / rms(x)`` over the last axis, the statistics in float32 (as the HF

@@ -20,9 +20,13 @@ gate/up. From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the o
 projections whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
 ``wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real models, whose MLP
 is wider than the hidden size) down stay with cuBLAS and FlashInfer's add + RMSNorm.
+Where the grouped MoE path is on, the MoE routers and the routed experts are ``fused_moe``'s
+kernels (``DLLM_FUSED_MOE=0`` keeps the torch routers and ``grouped_mm``).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import flashinfer
 import torch
@@ -35,6 +39,9 @@ from dllm.runner.fused_layer import PreNormed, ResidualFusion
 from dllm.runner.kernels.hardware import capability
 from dllm.runner.kernels.settings import KernelSettings
 from dllm.runner.kernels.ssm_scan import FlaScanOps
+
+if TYPE_CHECKING:
+    from dllm.models.moe import StackedExperts
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -132,15 +139,45 @@ class TritonOps(ResidualFusion, FlashInferOps):
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device,
                  settings: KernelSettings | None = None):
         super().__init__(model, max_positions, device, settings)
-        from dllm.runner.kernels import fused_qkv, skinny_gemm, wide_gemm
+        from dllm.runner.kernels import fused_moe, fused_qkv, skinny_gemm, wide_gemm
 
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
         self._wide = wide_gemm
+        # MoE routing and experts in Triton (``settings.fused_moe`` off: the torch routers and
+        # ``StackedExperts.forward_grouped``).
+        self._moe = fused_moe if self.settings.fused_moe else None
         # The residual steps in the skinny and wide GEMMs' epilogues (``linear_residual``);
         # ``settings.fuse_residual`` off keeps them as separate add + RMSNorm kernels (the wide
         # gate/up keeps SiLU-and-mul in its epilogue either way).
         self.fuse_residual = self.settings.fuse_residual
+
+    def moe_experts(self, experts: StackedExperts, x: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        # Only where the static-shape grouped path is on: with it off the model runs the
+        # per-expert loop eagerly (``DLLM_MOE_GROUPED=0``, ``supports_cuda_graph``).
+        w = (experts.gate_proj, experts.up_proj, experts.down_proj)
+        if (self._moe is not None and self.grouped_moe
+                and self._moe.supports(x, *w, topk_ids, topk_weights)):
+            return self._moe.fused_experts(x, *w, topk_ids, topk_weights)
+        return super().moe_experts(experts, x, topk_ids, topk_weights)
+
+    def moe_route_sigmoid(self, logits: torch.Tensor, top_k: int, n_group: int,
+                          topk_group: int, bias: torch.Tensor | None, renormalize: bool,
+                          scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._moe is not None and self._moe.supports_sigmoid(logits, top_k, n_group,
+                                                                topk_group, bias):
+            return self._moe.route_sigmoid(logits, top_k, n_group, topk_group, bias,
+                                           renormalize, scaling_factor)
+        return super().moe_route_sigmoid(logits, top_k, n_group, topk_group, bias, renormalize,
+                                         scaling_factor)
+
+    def moe_route_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool,
+                          bias: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._moe is not None and self._moe.supports_softmax(logits, top_k, bias):
+            return self._moe.route_softmax(logits, top_k, renormalize, bias)
+        return super().moe_route_softmax(logits, top_k, renormalize, bias)
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         weight, bias = layer.weight, getattr(layer, "bias", None)

@@ -8,7 +8,10 @@
 - ``triton_extend``: paged attention for ``DLLM_EXTEND`` blocks and ``DECODE``;
 - ``stage_kernel``: the device half of loading a replayed step's inputs;
 - ``greedy_kernel``: the greedy draw and its confidence in one pass over the logits;
-- ``rng_kernel``: the counter-based ``position_uniform`` in one launch.
+- ``rng_kernel``: the counter-based ``position_uniform`` in one launch;
+- ``fused_moe``: MoE routing in one launch and the routed experts as grouped GEMMs
+  (token-expert pairs aligned to expert tiles, SiLU-and-mul and the routing weights in
+  the epilogues, a fixed-order per-token sum).
 
 Importing this package imports no Triton (CPU installs have none); each kernel module does, so
 it is imported where Triton is installed only, through :func:`kernel_module`. ``settings``

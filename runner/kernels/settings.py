@@ -1,7 +1,7 @@
 """The environment knobs of the layer ops, typed and read once (DESIGN §12: small frozen
 configs, no sprawl of flags).
 
-Three switches stay, each turning off a fused path for a plain one that computes the same function
+Four switches stay, each turning off a fused path for a plain one that computes the same function
 with the reference's rounding or control flow (a correctness fallback and a bisection aid, not a
 speed choice):
 
@@ -10,6 +10,13 @@ speed choice):
   per-expert loop, which reads the routing on the host and so runs eagerly (LLaDA2.0-mini eager
   on an H200: 140 ms a step at batch 1 and 1036 ms at batch 32 with the loop, 29 and 36 grouped;
   bench/NOTES.md, session 8).
+- ``DLLM_FUSED_MOE`` (``fused_moe``, default on): where the grouped path is on, MoE routing
+  (LLaDA2's sigmoid group-limited top-k, the softmax top-k of the others) and the routed experts
+  through the Triton kernels of ``dllm.runner.kernels.fused_moe`` (one routing launch; the
+  pairs aligned to expert tiles, gate/up with SiLU-and-mul, down with the routing weights, and
+  the per-token sum: five launches); off, the torch routers and
+  ``StackedExperts.forward_grouped`` (``grouped_mm``), which round between their steps as the
+  reference does.
 - ``DLLM_FUSE_RESIDUAL`` (``fuse_residual``, default on): the residual add + RMSNorm in the
   skinny and wide GEMMs' epilogues; off, separate add + RMSNorm kernels, which round as the
   reference does (session 5 told a rounding flip from a bug with it).
@@ -51,6 +58,7 @@ def parse_switch(name: str, value: str | None, default: bool) -> bool:
 @dataclass(frozen=True)
 class KernelSettings:
     moe_grouped: bool = True  # DLLM_MOE_GROUPED
+    fused_moe: bool = True  # DLLM_FUSED_MOE
     fuse_residual: bool = True  # DLLM_FUSE_RESIDUAL
     fla_scan: bool = True  # DLLM_FLA_SCAN
 

@@ -11,17 +11,18 @@ from dllm.runner.kernels.settings import KernelSettings, env_name
 
 
 def test_defaults_when_unset_or_empty():
-    assert KernelSettings.from_env({}) == KernelSettings(moe_grouped=True, fuse_residual=True,
-                                                         fla_scan=True)
+    assert KernelSettings.from_env({}) == KernelSettings(moe_grouped=True, fused_moe=True,
+                                                         fuse_residual=True, fla_scan=True)
     assert KernelSettings.from_env({"DLLM_MOE_GROUPED": "", "DLLM_FUSE_RESIDUAL": " "}) == \
         KernelSettings()
 
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
 def test_off_values(value):
-    s = KernelSettings.from_env({"DLLM_MOE_GROUPED": value, "DLLM_FUSE_RESIDUAL": value,
-                                 "DLLM_FLA_SCAN": value})
-    assert s == KernelSettings(moe_grouped=False, fuse_residual=False, fla_scan=False)
+    s = KernelSettings.from_env({"DLLM_MOE_GROUPED": value, "DLLM_FUSED_MOE": value,
+                                 "DLLM_FUSE_RESIDUAL": value, "DLLM_FLA_SCAN": value})
+    assert s == KernelSettings(moe_grouped=False, fused_moe=False, fuse_residual=False,
+                               fla_scan=False)
 
 
 @pytest.mark.parametrize("value", ["1", "true", "On", "yes"])
@@ -38,6 +39,7 @@ def test_bad_values_are_rejected(value):
 def test_reads_os_environ_and_is_frozen(monkeypatch):
     monkeypatch.setenv("DLLM_FUSE_RESIDUAL", "0")
     monkeypatch.delenv("DLLM_MOE_GROUPED", raising=False)
+    monkeypatch.delenv("DLLM_FUSED_MOE", raising=False)
     s = KernelSettings.from_env()
     assert s == KernelSettings(fuse_residual=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -46,4 +48,4 @@ def test_reads_os_environ_and_is_frozen(monkeypatch):
 
 def test_every_field_has_its_variable():
     assert [env_name(f.name) for f in dataclasses.fields(KernelSettings)] == \
-        ["DLLM_MOE_GROUPED", "DLLM_FUSE_RESIDUAL", "DLLM_FLA_SCAN"]
+        ["DLLM_MOE_GROUPED", "DLLM_FUSED_MOE", "DLLM_FUSE_RESIDUAL", "DLLM_FLA_SCAN"]
