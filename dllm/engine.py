@@ -108,6 +108,7 @@ class Engine:
             lambda r: register_inputs(r, full_attention=self.full_attention))
         self.model, self.kv_pool, self.req_pool = (self.runner.model, self.runner.kv_pool,
                                                    self.runner.req_pool)
+        self.runner.capture_cuda_graphs()  # after ``self.model``: the steps' LM head reads it
         self.scheduler = self._make_scheduler(path)
         self.step_count = 0
         self.requests = RequestFactory(self.tokenizer, self.info, layout, self.task,

@@ -162,7 +162,6 @@ class ModelRunner:
         register_inputs(self.registry)
         self.eager = EagerRunner(self)
         self.runners: list[Runner] = [self.eager]
-        self._init_cuda_graphs()
 
     # ---- setup -------------------------------------------------------------------------
     def _init_memory(self) -> None:
@@ -265,11 +264,13 @@ class ModelRunner:
             if fla.fla_scan:
                 install_ops(self.model, fla)
 
-    def _init_cuda_graphs(self) -> None:
+    def capture_cuda_graphs(self) -> None:
         """Capture the ``graph_kind`` steps (denoise, full-attention or decode) on CUDA with
         FlashInfer; everything else, and every shape not captured, runs eagerly. With
         ``disable_cuda_graph`` those steps still run padded to the capture sizes and planned
-        as a graph would be, without capture (so eager and graph outputs are identical)."""
+        as a graph would be, without capture (so eager and graph outputs are identical).
+        Called by the owner once the post-steps can run (they may read the model through
+        it: a full-attention step's LM head)."""
         cfg, kind = self.config, self.config.graph_kind
         if (kind is None or not self._flashinfer() or cfg.dp_size > 1  # host count exchange
                 or not getattr(self.model, "supports_cuda_graph", True)):
