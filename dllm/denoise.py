@@ -177,6 +177,14 @@ class DenoisePost:
         self.logits_shift = logits_shift
 
     @classmethod
+    def for_graph(cls, bs: int, group: str, flags: tuple[bool, bool, bool],
+                  mask_token_id: int | None, logits_shift: int) -> DenoisePost:
+        """The post-step a CUDA graph of ``bs`` rows captures for the algorithm ``group``
+        (``graph_group``: one algorithm over every row, padding rows included)."""
+        name, trace = parse_group(group)
+        return cls({name: list(range(bs))}, bs, mask_token_id, logits_shift, flags, trace)
+
+    @classmethod
     def for_reqs(cls, reqs: list[Req], blocks: list[BlockState], mask_token_id: int,
                  logits_shift: int) -> DenoisePost:
         """``blocks``: the block of each row (``ScheduledBatch.row_state``)."""

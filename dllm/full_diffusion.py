@@ -87,7 +87,6 @@ from dllm.denoise import (
     config_rows,
     graph_flags,
     graph_group,
-    parse_group,
     sampling_rows,
     state_rows,
     trace_top,
@@ -485,8 +484,7 @@ class FullDiffusionPost:
                   compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> FullDiffusionPost:
         """The post-step a CUDA graph of ``bs`` rows captures for ``graph_key`` ``key``."""
         group, flags, width, any_cfg, any_first = key
-        name, trace = parse_group(group)
-        denoise = DenoisePost({name: list(range(bs))}, bs, mask_token_id, 0, flags, trace)
+        denoise = DenoisePost.for_graph(bs, group, flags, mask_token_id, 0)
         return cls(bs, width, any_cfg, any_first, denoise, logits_shift, compute_logits)
 
     @staticmethod

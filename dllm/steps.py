@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dllm.autoregressive import SampleNext
-from dllm.denoise import GRAPH_FLAGS, DenoisePost, denoise_inputs, graph_flags, parse_group
+from dllm.denoise import GRAPH_FLAGS, DenoisePost, denoise_inputs, graph_flags
 from dllm.embedding import pool_parts
 from dllm.full_diffusion import FullDiffusionPost, full_diffusion_inputs
 from dllm.runner.forward_batch import ForwardBatch, ScheduledBatch, StepKind
@@ -34,14 +34,6 @@ def _read_denoise(output: tuple[torch.Tensor, dict[str, torch.Tensor]]
                   ) -> tuple[HostCopy, dict[str, torch.Tensor]]:
     packed, states = output
     return HostCopy(packed), states
-
-
-def _capture_denoise(bs: int, key: Hashable, mask_token_id: int | None,
-                     logits_shift: int) -> DenoisePost:
-    """The post-step a graph of ``key`` (``_denoise_key``) captures."""
-    group, flags = key
-    name, trace = parse_group(group)
-    return DenoisePost({name: list(range(bs))}, bs, mask_token_id, logits_shift, flags, trace)
 
 
 def _denoise_key(batch: ScheduledBatch) -> Hashable | None:
@@ -73,7 +65,8 @@ def step_specs(mask_token_id: int | None, logits_shift: int,
             lambda b: DenoisePost.for_reqs([r.req for r in b.rows], [r.block for r in b.rows],
                                            mask_token_id, logits_shift),
             read=_read_denoise,
-            capture=lambda bs, key: _capture_denoise(bs, key, mask_token_id, logits_shift),
+            capture=lambda bs, key: DenoisePost.for_graph(bs, *key, mask_token_id,
+                                                           logits_shift),
             graph_key=_denoise_key),
         StepKind.SAMPLE: StepSpec(SampleNext.for_batch, read=HostCopy,
                                   capture=lambda bs, key: SampleNext(key[1]),
