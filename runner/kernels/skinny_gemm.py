@@ -1,6 +1,6 @@
-"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 16.
+"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 32.
 
-At batch 1 a denoise step multiplies 1-16 activation rows by every weight matrix, so each
+At batch 1 a denoise step multiplies 1-32 activation rows by every weight matrix, so each
 GEMM is bound by reading W (``N * K * 2`` bytes) once from HBM; the arithmetic is tiny. cuBLAS
 picks tiles made for larger M and reaches only ~2.5-3.5 TB/s on the 8B model's qkv, o_proj
 and down shapes (H200 copy ceiling ~4.3 TB/s). This kernel is built to stream W:
@@ -8,12 +8,13 @@ and down shapes (H200 copy ceiling ~4.3 TB/s). This kernel is built to stream W:
 * **One program per (BLOCK_N slice of output columns, K split).** It reads its
   ``[BLOCK_N, K / SPLIT_K]`` slab of W once, in ``[BLOCK_N, BLOCK_K]`` tiles that are
   contiguous along K (16-byte vector loads; the row stride is K, a multiple of 16), and
-  produces those columns for *all* M rows. x is at most 16 x K and is re-read by every
+  produces those columns for *all* M rows. x is at most 32 x K and is re-read by every
   program from L1/L2, never from HBM in the steady state.
-* **Tensor cores with M padded to 16.** ``tl.dot`` needs every dimension >= 16, so x is
-  loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to zero. With ``SWAP_AB`` the
-  product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``): the large operand is the
-  MMA's M side, which lets Triton use Hopper's wgmma for BLOCK_N >= 64. A broadcast multiply
+* **Tensor cores with M padded to 16** (to 32 past 16 rows). ``tl.dot`` needs every
+  dimension >= 16, so x is loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to
+  zero. With ``SWAP_AB`` the product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``):
+  the large operand is the MMA's M side, which lets Triton use Hopper's wgmma for
+  BLOCK_N >= 64. A broadcast multiply
   + ``tl.sum`` on the CUDA cores was rejected: at M = 16 it costs ``2 * 16 * N * K`` fp32 FMAs,
   about the same time as the weight read itself on an H200 (67 TFLOP/s fp32), and using it only
   for small M would make a row's result depend on the batch size (see below).
@@ -44,7 +45,8 @@ only (``CONFIGS``, with a default heuristic for shapes not in it), so the tiling
 and the split reduction are the same for every M and every process on a device. The kernel is compiled once per configuration, not per M (M is
 not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
 the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
-output is bit-identical whether it is computed alone or in a batch of up to 16.
+output is bit-identical whether it is computed alone or in a batch of up to 16 (and, within
+the 32-row tile, in a batch of 17 to 32; across the two tiles the MMA's N width differs).
 
 The hot path is launch-only (one ``torch.empty`` for the output, one for the split-K partials),
 with no host syncs or data-dependent host logic, so it can be captured in a CUDA graph.
@@ -82,11 +84,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dllm.runner.kernels.hardware import num_sms, tuned
 
-__all__ = ["CONFIGS", "SILU_CONFIGS", "SkinnyConfig", "config_for", "residual_operands_match",
-           "silu_fused", "skinny_linear", "skinny_linear_residual", "supports",
+__all__ = ["CONFIGS", "ROWS32", "SILU_CONFIGS", "SkinnyConfig", "config_for",
+           "residual_operands_match", "silu_fused", "skinny_linear", "skinny_linear_residual", "supports",
            "supports_residual"]
 
-MAX_M = 16
+# Rows the kernel takes: 1-16 in a 16-row tile, 17-32 (a full-attention model's 32-token dual
+# window, SDAR's batch 8 at block 4) in a 32-row one (``_block_m``). Past 16 rows ``supports``
+# takes only the weight shapes of ``ROWS32``; a benchmark sets ``MAX_M = 16`` for its A/B runs.
+MAX_M = 32
 _HALF = (torch.float16, torch.bfloat16)
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors (numpy); used by the tests only.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -136,10 +141,28 @@ SILU_CONFIGS: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
 }
 
 
+# Compute capability -> the (N, K) weight shapes the kernel takes past 16 rows. At 24-32 rows on
+# the H200 (``bench/kernels/skinny_gemm.py --tokens 16,24,32``; bench/NOTES.md, session 17)
+# cuBLAS wins on qkv (15.8 µs against 18.7) and down (28.6 against 30.4) and so keeps them, with
+# the separate add + RMSNorm after down; o_proj (12.7 against 13.1) and gate/up (50.6 against
+# 49.1, which its fused SiLU-and-mul and norm repay) run here, with the residual step after
+# o_proj in the epilogues. LLaDA-8B's dual-cache step (bench/engine/full_attention.py, 32 rows
+# a forward): 5.07 ms with these two shapes here, 5.10 with cuBLAS past 16 rows (back to back
+# on one machine), 5.23 with every shape here up to 32 rows.
+ROWS32: dict[tuple[int, int], frozenset[tuple[int, int]]] = {
+    (9, 0): frozenset({(4096, 4096), (24576, 4096)}),
+}
+
+
 def silu_fused(rows: int, k: int, device: torch.device | None = None) -> bool:
     """Whether SiLU-and-mul in the gate/up GEMM's epilogue is measured to beat a separate
     kernel for this weight shape (on ``device``; None: the reference device)."""
     return (rows, k) in tuned(SILU_CONFIGS, device)
+
+
+def _block_m(m: int) -> int:
+    """The MMA's padded row count for ``m`` rows: 16 up to 16 rows, else 32."""
+    return 16 if m <= 16 else 32
 
 
 def _halved(cfg: SkinnyConfig) -> SkinnyConfig:
@@ -170,6 +193,8 @@ def config_for(n: int, k: int, device: torch.device | None = None) -> SkinnyConf
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``skinny_linear(x, weight, bias)`` handles these tensors."""
     ok_device = x.is_cuda or (_INTERPRET and x.device.type == "cpu")
+    if x.dim() == 2 and x.shape[0] > 16 and tuple(weight.shape) not in tuned(ROWS32, x.device):
+        return False
     return (ok_device and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
             and x.dtype in _HALF and weight.dtype == x.dtype and x.device == weight.device
             and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0 and x.stride(1) == 1
@@ -334,7 +359,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
                   pdl: bool = False, sum_sq: torch.Tensor | None = None, eps: float = 0.0,
                   silu: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= 16 (check ``supports``
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= 32 (check ``supports``
     first). Float32 accumulation, output in x's dtype. ``config`` overrides the (N, K) table
     (benchmarks); ``out`` is written in place if given (tests poison it). ``pdl``: launch
     with programmatic dependent launch (Hopper and newer), streaming the first lines of each
@@ -397,7 +422,7 @@ def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """A projection that ends in the pre-norm decoder's residual step, with the next RMSNorm
     half done: ``y = F.linear(x, weight, bias)`` (rounded), the stream ``s = residual + y``
     (rounded), ``scaled = s * norm_weight`` (rounded) and the float32 partial sums of ``s²``,
-    ``[programs, 16]`` (one row per program's columns, 16 token slots). Returns
+    ``[programs, 16]`` (one row per program's columns, 16 token slots; 32 past 16 rows). Returns
     ``(s, scaled, sum_sq)``; ``skinny_linear(scaled, ..., sum_sq=sum_sq, eps=...)`` then
     finishes the norm (``1 / rms(s)`` from the partials, in a fixed order) in its epilogue.
     The reference rounds ``s / rms(s)`` instead; the two agree within the dtype's rounding.
@@ -408,7 +433,7 @@ def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     cfg = _unsplit(config if config is not None else config_for(n, k, x.device))
     stream = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scaled = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    sum_sq = torch.empty((triton.cdiv(n, cfg.block_n), MAX_M), dtype=torch.float32,
+    sum_sq = torch.empty((triton.cdiv(n, cfg.block_n), _block_m(m)), dtype=torch.float32,
                          device=x.device)
     _launch(x, weight, bias, scaled, cfg, pdl=pdl,
             residual=(residual, norm_weight, stream, sum_sq))
@@ -446,13 +471,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     parts = 0
     if sum_sq is not None:
         parts = sum_sq.shape[0]
-        assert sum_sq.shape[1] == MAX_M and sum_sq.dtype == torch.float32
+        assert sum_sq.shape[1] == _block_m(m) and sum_sq.dtype == torch.float32
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, bias if bias is not None else out, out,
         sum_sq if sum_sq is not None else out, r, nw, s, ss_out,
         eps, m, n, k, x.stride(0), weight.stride(0), 0 if partial else out.stride(0),
         m * n if partial else 0, K_TILES=k_tiles, HAS_BIAS=bias is not None, PARTIAL=partial,
-        EVEN_K=k_tiles * cfg.block_k * split == k, SWAP_AB=cfg.swap_ab, BLOCK_M=MAX_M,
+        EVEN_K=k_tiles * cfg.block_k * split == k, SWAP_AB=cfg.swap_ab, BLOCK_M=_block_m(m),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_LINES=lines, SS_PARTS=parts,
         SS_BLOCK=triton.next_power_of_2(parts), SILU=silu, RESIDUAL=residual is not None,
         PDL=pdl, W_EVICT=W_EVICT, TRIGGER=PDL_TRIGGER, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -33,7 +33,7 @@ batch 128, back to back on one machine: 14.77 ms a step against 15.01.
 K order and the partial sums' order fixed; a row's result depends only on that row (rows
 past M are never stored and never enter another row's sums). The tile shapes do differ from
 cuBLAS's and the skinny GEMM's, so a row is bit-identical across batch sizes only while they
-stay on one side of ``MIN_M`` (as between the skinny GEMM and cuBLAS at 16 rows).
+stay on one side of ``MIN_M`` (as between the skinny GEMM and cuBLAS at 32 rows).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from dllm.runner.kernels.skinny_gemm import residual_operands_match
 __all__ = ["MIN_M", "gate_up_silu", "linear_residual", "residual_pays", "supports",
            "supports_gate_up", "supports_residual"]
 
-# Fewest rows the wide kernels take; below, cuBLAS and the separate kernels (from 17 rows) or
-# the skinny GEMM (to 16). From 256 rows the layer's chain was slower (177.1 µs against 145.5)
+# Fewest rows the wide kernels take; below, cuBLAS and the separate kernels (from 33 rows) or
+# the skinny GEMM (to 32). From 256 rows the layer's chain was slower (177.1 µs against 145.5)
 # and without the wide kernels the SDAR-8B batch-128 step too (15.01 ms against 14.77;
 # bench/NOTES.md, session 7).
 MIN_M = 512
