@@ -24,8 +24,9 @@ Columns:
 * ``window replay ms``: the captured graph of a block's window alone (its GPU time, the
   unmasking step included; the greedy graph, the one these requests replay), and ``canvas
   replay ms`` that of the whole canvas. The prefix cache's later windows (the block and the
-  suffix, 64 to 352 tokens here) are compared with the block window's floor too, which
-  understates theirs.
+  suffix, 64 to 352 tokens here) are compared with the block window's floor there, which
+  understates theirs; the last column sums every cached forward's time over the floor of
+  its own window (rows x tokens).
 * Floors, for the forward each column is about: every weight read once at the measured copy
   bandwidth (the input embedding is a lookup: only the rows of the step's tokens), and the
   FLOPs (the projections over every query token, the LM head over the block's tokens only,
@@ -127,11 +128,21 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
     wall = time.perf_counter() - t0
     e.runner.forward = forward
     canvas = args.prompt_len + args.gen_len
+    if args.profile:
+        profile_kernels(e, prompts[1].tolist(), params, f"{shape} {mode} bs={bs}")
+    bw, mm = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
+
+    def floor_ms(rows: int, width: int, model: torch.nn.Module = e.model) -> float:
+        nbytes, flops = costs(model, rows, width, args.block, canvas)
+        return max(nbytes / bw, flops / mm) * 1e3
+
     # A step's time is the forward launched a step earlier (overlap: it waits for that one).
-    cached, refresh = [], []
+    cached, refresh, cached_floors = [], [], []
     for i in range(1, len(steps)):
-        for _, width in launched[i - 1]:
+        for rows, width in launched[i - 1]:
             (refresh if width == canvas else cached).append(steps[i] * 1e3)
+            if width != canvas:
+                cached_floors.append(floor_ms(rows, width))
     runner = e.runner.runners[0]
     replay = {}
     for (rows, width, key), g in getattr(runner, "graphs", {}).items():
@@ -139,7 +150,6 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
         # sampling graph of the same shape also runs the draw's vocabulary passes)
         if rows == bs and width in (args.block, canvas) and key[1] == GRAPH_FLAGS[0]:
             replay[width] = replay_us(g.graph) / 1e3
-    bw, mm = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
     win_bytes, win_flops = costs(e.model, bs, args.block, args.block, canvas)
     can_bytes, can_flops = costs(e.model, bs, canvas, args.block, canvas)
     win_floor = max(win_bytes / bw, win_flops / mm) * 1e3
@@ -155,6 +165,11 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
                canvas_floor_ms=can_floor, canvas_compute_floor_ms=can_flops / mm * 1e3,
                graphs=len(getattr(runner, "graphs", {})))
     row["x_window_floor"] = row["cached_step_ms"] / win_floor
+    # every cached forward against the floor of its own window (prefix: the block and the
+    # suffix, shrinking block by block; dual: the block), summed over the request
+    row["cached_floor_ms"] = med(cached_floors)
+    row["x_cached_floors"] = (sum(cached) / sum(cached_floors) if cached_floors
+                              else float("nan"))
     row["x_canvas_floor"] = row["refresh_step_ms"] / can_floor
     del llm, e, runner
     gc.collect()
@@ -162,18 +177,45 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
     return row
 
 
+def profile_kernels(e, prompts: list[list[int]], params, label: str, top: int = 25) -> None:
+    """One more request batch under ``torch.profiler`` (not timed): prints the kernels by GPU
+    time per forward, with launches per forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reqs = [e.make_request(p, params) for p in prompts]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in reqs:
+            e.add_request(r)
+        while any(not r.finished for r in reqs):
+            e.step()
+        e.drain()
+        torch.cuda.synchronize()
+    forwards = statistics.mean(r.num_forward_passes for r in reqs)
+    events = [(getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0),
+               ev.count, ev.key) for ev in prof.key_averages()]
+    events = sorted((ev for ev in events if ev[0] > 0), reverse=True)
+    total = sum(us for us, _, _ in events)
+    print(f"\n{label}: {total / forwards / 1e3:.3f} ms of kernels a forward "
+          f"({forwards:.0f} forwards)\n| µs/forward | launches/forward | kernel |\n|---|---|---|")
+    for us, count, key in events[:top]:
+        print(f"| {us / forwards:.1f} | {count / forwards:.2f} | {key[:110]} |")
+    print(flush=True)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | mode | batch | runner | wall s | tok/s | forwards | cached step ms | "
             "window replay ms | window floor ms | × floor | refresh step ms | "
-            "canvas replay ms | canvas floor ms | × floor | graphs |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "canvas replay ms | canvas floor ms | × floor | graphs | "
+            "cached steps ÷ their windows' floors |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['model']} | {r['mode']} | {r['batch']} | {r['runner']} | {r['wall_s']:.3f} | "
         f"{r['tok_s']:.1f} | {r['forwards']:.0f} | {r['cached_step_ms']:.2f} | "
         f"{r['window_replay_ms']:.2f} | {r['window_floor_ms']:.2f} | "
         f"{r['x_window_floor']:.2f} | {r['refresh_step_ms']:.2f} | "
         f"{r['canvas_replay_ms']:.2f} | {r['canvas_floor_ms']:.2f} | "
-        f"{r['x_canvas_floor']:.2f} | {r['graphs']} |\n" for r in rows)
+        f"{r['x_canvas_floor']:.2f} | {r['graphs']} | {r['x_cached_floors']:.2f} |\n"
+        for r in rows)
 
 
 def main() -> int:
@@ -187,9 +229,18 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each case, one more batch under torch.profiler: kernels a forward")
+    ap.add_argument("--skinny-max-rows", type=int, default=None,
+                    help="A/B: the skinny GEMM's row limit (skinny_gemm.MAX_M; 16 keeps "
+                         "cuBLAS past 16 rows)")
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
+    if args.skinny_max_rows is not None:
+        from dllm.runner.kernels import skinny_gemm
+
+        skinny_gemm.MAX_M = args.skinny_max_rows
     ceilings = measure_ceilings()
     env = {**environment(), **ceilings, "args": vars(args)}
     print(json.dumps(env), flush=True)

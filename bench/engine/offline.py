@@ -20,7 +20,10 @@ FLOPs per step ÷ measured bf16 matmul rate (8192³). The matmul rate is the sus
 (back to back for 3 s: the GPU's power cap lowers the SM clock under a steady load, and the
 timed steps run in that state; ``SM MHz`` is the clock read during them, nan where they ended
 before nvidia-smi answered); the ratio to the burst rate (the first 10 matmuls of a cool GPU,
-at its boost clock) is printed beside it. A graph case whose batch size was not captured (out
+at its boost clock) is printed beside it. MoE weight floors count every expert the step's
+tokens could reach (``min(E, tokens x k)``); with ``--count-experts`` an eager run of the same
+workload counts the distinct experts each MoE layer's forward actually routes to, and
+``reached floor`` reads only those. A graph case whose batch size was not captured (out
 of memory) is reported as failed, not timed eagerly.
 Writes ``bench/results/offline-*.md`` and ``.json`` with the GPU name, driver, torch and
 flashinfer versions.
@@ -115,11 +118,12 @@ def checkpoint_dir(name: str, root: Path) -> str:
 
 
 def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict,
-               rows: int = 0) -> tuple[float, float]:
+               rows: int = 0, reached: float | None = None) -> tuple[float, float]:
     """(bytes read and written, FLOPs) of one forward over ``tokens`` query tokens of ``rows``
     requests at context ``ctx``. An untied input embedding is a lookup: only ``tokens`` of its
     rows are read and it does no matrix work. MoE: only the experts the tokens can reach are
-    read, and FLOPs count the ``k`` active ones per token. Hybrids: each row's recurrent state
+    read (``reached``: the experts a layer's forward was measured to route to, on average),
+    and FLOPs count the ``k`` active ones per token. Hybrids: each row's recurrent state
     (conv window and fp32 SSM state of every Mamba2 layer) is read and written once per
     forward, and the SSM's own FLOPs are left out (small beside the projections)."""
     from dllm.models.granite_hybrid import StackedWeight
@@ -135,7 +139,7 @@ def step_costs(model: torch.nn.Module, tokens: int, ctx: int, cfg: dict,
         e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
         expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
         moe_layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
-        touched = min(e, tokens * k)
+        touched = min(e, tokens * k) if reached is None else reached
         total -= moe_layers * (e - touched) * expert * 2
         params -= moe_layers * (e - k) * expert  # FLOPs use the k active experts per token
     for m in model.modules():
@@ -188,9 +192,40 @@ def warm_engine(path: str, bs: int, graph: bool, backend: str, prompt_len: int, 
     return llm
 
 
+def reached_experts(path: str, bs: int, backend: str, prompt_len: int, steps: int) -> float:
+    """The distinct experts a MoE layer's forward routes its tokens to, averaged over the
+    layers and ``steps`` steps of the same workload run eagerly (the routing read back from
+    the device: a captured graph cannot report it)."""
+    from dllm.models.ops import UsesOps
+
+    llm = warm_engine(path, bs, False, backend, prompt_len, steps)
+    e = llm.engine
+    ops = next(m.ops for m in e.model.modules() if isinstance(m, UsesOps))
+    inner, counts = ops.moe_experts, []
+
+    def counting(experts, x, topk_ids, topk_weights):
+        counts.append(int(torch.unique(topk_ids).numel()))
+        return inner(experts, x, topk_ids, topk_weights)
+
+    ops.moe_experts = counting
+    try:
+        for _ in range(steps):
+            e.step()
+        e.drain()
+    finally:
+        del ops.moe_experts
+    del llm, e
+    gc.collect()
+    torch.cuda.empty_cache()
+    return sum(counts) / max(1, len(counts))
+
+
 def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_len: int,
-               steps: int, ceilings: dict) -> dict:
+               steps: int, ceilings: dict, count_experts: bool = False) -> dict:
     arch, shape = SHAPES[name]
+    # counted first, on an engine of its own (freed before the timed one is built)
+    reached = (reached_experts(path, bs, backend, prompt_len, steps)
+               if count_experts and "num_experts" in shape else None)
     llm = warm_engine(path, bs, graph, backend, prompt_len, 2 * steps)
     e = llm.engine
     diffusion = e.mask_token_id is not None
@@ -228,8 +263,12 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     replay_ms = _replay_ms(e) if graph else float("nan")
     tokens = bs * (b if diffusion else 1)
     byts, flops = step_costs(e.model, tokens, prompt_len + per_req // 2, shape, bs)
-    # One token per denoise step, plus one commit forward per block: b tokens per b+1 steps.
-    out_tok = bs * (b / (b + 1) if diffusion else 1.0) / dt
+    reached_bytes = (step_costs(e.model, tokens, prompt_len + per_req // 2, shape, bs,
+                                reached)[0] if reached is not None else float("nan"))
+    # One token per denoise step: b tokens per b steps with merged commits (a block's commit
+    # rides in the next block's first step), per b + 1 with a commit forward of its own.
+    per_block = b if e.merged_commit else b + 1
+    out_tok = bs * (b / per_block if diffusion else 1.0) / dt
     floor_bw = byts / ceilings["hbm_bytes_per_s"]
     floor_mm = flops / ceilings["bf16_flops_per_s"]
     del llm, e
@@ -242,7 +281,10 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
                 x_weight_floor=dt / floor_bw, x_matmul_floor=dt / floor_mm,
                 x_matmul_floor_burst=dt / (flops / ceilings["bf16_flops_per_s_burst"]),
                 sm_mhz=sm_mhz,
-                tokens_per_step=tokens, graph_replay_ms=replay_ms)
+                tokens_per_step=tokens, graph_replay_ms=replay_ms,
+                reached_experts=reached if reached is not None else float("nan"),
+                reached_floor_ms=reached_bytes / ceilings["hbm_bytes_per_s"] * 1e3,
+                x_reached_floor=dt / (reached_bytes / ceilings["hbm_bytes_per_s"]))
 
 
 def _replay_ms(engine) -> float:
@@ -266,15 +308,19 @@ def table(rows: list[dict]) -> str:
     head = ("| model | batch | runner | attention | step ms | step ms, no overlap | "
             "graph replay ms | out tok/s | "
             "weight floor ms | × weight floor | matmul floor ms | × matmul floor | "
-            "× burst matmul floor | SM MHz |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "× burst matmul floor | SM MHz | experts reached | reached floor ms | "
+            "× reached floor |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['model']} | {r['batch']} | {r['runner']} | {r['backend']} | {r['step_ms']:.2f} | "
         f"{r.get('plain_step_ms', float('nan')):.2f} | "
         f"{r.get('graph_replay_ms', float('nan')):.2f} | "
         f"{r['output_tok_s']:.0f} | {r['weight_read_floor_ms']:.2f} | {r['x_weight_floor']:.2f} "
         f"| {r['matmul_floor_ms']:.2f} | {r['x_matmul_floor']:.2f} | "
-        f"{r.get('x_matmul_floor_burst', float('nan')):.2f} | {r.get('sm_mhz', float('nan')):.0f} |\n"
+        f"{r.get('x_matmul_floor_burst', float('nan')):.2f} | {r.get('sm_mhz', float('nan')):.0f} | "
+        f"{r.get('reached_experts', float('nan')):.1f} | "
+        f"{r.get('reached_floor_ms', float('nan')):.2f} | "
+        f"{r.get('x_reached_floor', float('nan')):.2f} |\n"
         for r in rows)
 
 
@@ -288,6 +334,9 @@ def main() -> int:
                     help="batch sizes for the eager runner (default: all)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--count-experts", action="store_true",
+                    help="MoE models: count the experts a layer's forward reaches (an eager "
+                         "run of the same workload first) and add the weight floor of those")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     if not require_cuda(__file__):
@@ -314,7 +363,8 @@ def main() -> int:
                             continue  # graphs need FlashInfer, MoE the grouped experts
                         try:
                             row = bench_case(name, path, bs, runner == "cuda_graph", backend,
-                                             args.prompt_len, args.steps, ceilings)
+                                             args.prompt_len, args.steps, ceilings,
+                                             count_experts=args.count_experts)
                         except Exception as exc:  # noqa: BLE001 - report and go on
                             print(f"{name} bs={bs} {runner} {backend}: {exc!r}", flush=True)
                             continue

@@ -99,6 +99,14 @@ except ModuleNotFoundError:  # the tree maps dllm.models and dllm.runner to mode
 
 from bench.report import stamp, write_report  # noqa: E402
 
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A line on stdout with the seconds since the script started (where a slow side spends
+    its time: model build, compilation, warm-up, timed calls)."""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {message}", flush=True)
+
 # CPU-sized shapes for trying the script out.
 TINY = {"sdar": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -325,10 +333,12 @@ def run_dllm(path: str, plan: dict, prompt_for: Callable, report: Report,
         for b in batches:
             ps = prompt_for(b)
             llm.generate(ps, params)  # warm-up (and CUDA-graph capture)
+            progress(f"dllm {mode} batch {b}: warmed up")
             got: list = []
             times = timed(lambda ps=ps, got=got, params=params: got.append(
                 llm.generate(ps, params)), args.repeats, args.device)
             outs = got[-1]
+            progress(f"dllm {mode} batch {b}: {statistics.median(times):.3f} s")
             report.add([{"side": "dllm", "mode": mode, "batch": b,
                          "seconds": statistics.median(times), "all_seconds": times,
                          "forwards_per_request": sum(o.num_forward_passes for o in outs) / b,
@@ -355,10 +365,13 @@ def _timed_reference(counted: torch.nn.Module, gen_for: Callable, batches: list[
             gen = gen_for(ids, args.gen_len)
             # Warm-up: one prompt (a generator of one prompt at a time runs a batch at the same
             # [1, L] shapes, so the first prompt warms every kernel the others use).
+            progress(f"reference {mode} batch {b}: warming up")
             gen_for(ids[:1], args.ref_warmup_gen or args.gen_len)()
+            progress(f"reference {mode} batch {b}: warmed up ({calls['n']} forwards)")
             calls["n"] = 0
             out: list = []
             times = timed(lambda gen=gen, out=out: out.append(gen()), args.repeats, args.device)
+            progress(f"reference {mode} batch {b}: {statistics.median(times):.3f} s")
             report.add([{"side": "reference", "mode": mode, "batch": b,
                          "seconds": statistics.median(times), "all_seconds": times,
                          "forwards_per_request": calls["n"] / args.repeats / (1 if batched else b),
@@ -388,10 +401,13 @@ def run_llada_reference(path: str, plan: dict, prompt_for: Callable, report: Rep
     fast = _load_module("ref_fast_generate", folder / "generate.py")
     config = llada_config.LLaDAConfig.from_pretrained(path)
     config.init_device = args.device
-    with torch.device(args.device):
+    # built in the run's dtype, as from_pretrained(torch_dtype=...) builds it (not float32
+    # then cast: half the memory and the initialisation time of an 8B model)
+    with torch.device(args.device), default_dtype(getattr(torch, args.dtype)):
         model = llada_model.LLaDAModelLM(config)
     load_weights(model, path)
     model = model.to(getattr(torch, args.dtype)).eval()
+    progress("reference model built")
     for mode, batches in plan.items():
         fn = {"exact": fast.generate, "prefix": fast.generate_with_prefix_cache,
               "dual": fast.generate_with_dual_cache}[mode]
