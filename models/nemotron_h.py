@@ -24,7 +24,7 @@ from dllm.models.decoder import AttentionSpec, SelfAttention
 from dllm.models.hybrid import HybridLM, Mamba2Layer
 from dllm.models.layers import PackedLinear, RMSNorm, RowLinear, VocabEmbedding, column_parts
 from dllm.models.mamba2 import Mamba2Dims
-from dllm.models.moe import sigmoid_grouped_topk
+from dllm.models.ops import UsesOps
 from dllm.models.parallel import all_reduce, tensor_parallel
 
 
@@ -60,8 +60,10 @@ class NemotronHGate(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
 
-class NemotronHMoE(nn.Module):
-    """Routed relu² experts plus ``shared_experts``; the exact loop over the hit experts
+class NemotronHMoE(UsesOps, nn.Module):
+    """Routed relu² experts plus ``shared_experts``; the routing is the layer ops' sigmoid
+    group-limited top-k (``LayerOps.moe_route_sigmoid``: the reference's in torch, one Triton
+    launch where the runner installs it), and the exact loop over the hit experts
     (ascending, as the reference adds them) reads them on the host. Under tensor parallelism
     every expert is split by its intermediate size and the block all-reduces once; expert
     parallelism is not built for these per-expert modules (``ValueError``)."""
@@ -91,9 +93,10 @@ class NemotronHMoE(nn.Module):
             reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = sigmoid_grouped_topk(self.gate(x), self.top_k, self.n_group,
-                                            self.topk_group, self.gate.e_score_correction_bias,
-                                            self.renormalize, self.scaling)
+        weights, ids = self.ops.moe_route_sigmoid(self.gate(x), self.top_k, self.n_group,
+                                                  self.topk_group,
+                                                  self.gate.e_score_correction_bias,
+                                                  self.renormalize, self.scaling)
         out = torch.zeros_like(x, dtype=weights.dtype)
         for e in torch.unique(ids).tolist():
             token, slot = torch.where(ids == e)
