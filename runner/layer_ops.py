@@ -20,8 +20,8 @@ gate/up. From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the o
 projections whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
 ``wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real models, whose MLP
 is wider than the hidden size) down stay with cuBLAS and FlashInfer's add + RMSNorm.
-Where the grouped MoE path is on, the MoE routers and the routed experts are ``fused_moe``'s
-kernels (``DLLM_FUSED_MOE=0`` keeps the torch routers and ``grouped_mm``).
+The MoE routers are ``moe_route``'s kernel and, where the grouped MoE path is on, the routed
+experts ``fused_moe``'s (``DLLM_FUSED_MOE=0`` keeps the torch routers and ``grouped_mm``).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class TritonOps(ResidualFusion, FlashInferOps):
     def __init__(self, model: nn.Module, max_positions: int, device: torch.device,
                  settings: KernelSettings | None = None):
         super().__init__(model, max_positions, device, settings)
-        from dllm.runner.kernels import fused_moe, fused_qkv, skinny_gemm, wide_gemm
+        from dllm.runner.kernels import fused_moe, fused_qkv, moe_route, skinny_gemm, wide_gemm
 
         self._qkv = fused_qkv
         self._gemm = skinny_gemm
@@ -147,6 +147,7 @@ class TritonOps(ResidualFusion, FlashInferOps):
         # MoE routing and experts in Triton (``settings.fused_moe`` off: the torch routers and
         # ``StackedExperts.forward_grouped``).
         self._moe = fused_moe if self.settings.fused_moe else None
+        self._route = moe_route if self.settings.fused_moe else None
         # The residual steps in the skinny and wide GEMMs' epilogues (``linear_residual``);
         # ``settings.fuse_residual`` off keeps them as separate add + RMSNorm kernels (the wide
         # gate/up keeps SiLU-and-mul in its epilogue either way).
@@ -165,9 +166,9 @@ class TritonOps(ResidualFusion, FlashInferOps):
     def moe_route_sigmoid(self, logits: torch.Tensor, top_k: int, n_group: int,
                           topk_group: int, bias: torch.Tensor | None, renormalize: bool,
                           scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._moe is not None and self._moe.supports_sigmoid(logits, top_k, n_group,
-                                                                topk_group, bias):
-            return self._moe.route_sigmoid(logits, top_k, n_group, topk_group, bias,
+        if self._route is not None and self._route.supports_sigmoid(logits, top_k, n_group,
+                                                                    topk_group, bias):
+            return self._route.route_sigmoid(logits, top_k, n_group, topk_group, bias,
                                            renormalize, scaling_factor)
         return super().moe_route_sigmoid(logits, top_k, n_group, topk_group, bias, renormalize,
                                          scaling_factor)
@@ -175,8 +176,8 @@ class TritonOps(ResidualFusion, FlashInferOps):
     def moe_route_softmax(self, logits: torch.Tensor, top_k: int, renormalize: bool,
                           bias: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._moe is not None and self._moe.supports_softmax(logits, top_k, bias):
-            return self._moe.route_softmax(logits, top_k, renormalize, bias)
+        if self._route is not None and self._route.supports_softmax(logits, top_k, bias):
+            return self._route.route_softmax(logits, top_k, renormalize, bias)
         return super().moe_route_softmax(logits, top_k, renormalize, bias)
 
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """One MoE layer's routing and routed experts, the torch path against the Triton kernels of
-``dllm.runner.kernels.fused_moe``, next to the layer's floors measured in the same run.
+``dllm.runner.kernels.moe_route`` and ``fused_moe``, next to the layer's floors measured in the
+same run.
 
     python bench/kernels/moe.py [--tokens 32,1024,4096] [--shapes llada2-mini,sdar-30b,llada-moe]
     python bench/kernels/moe.py --sweep [--tokens ...] [--shapes llada2-mini]
@@ -40,6 +41,7 @@ from torch import nn
 
 from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
 from dllm.runner.kernels import fused_moe as fm
+from dllm.runner.kernels import moe_route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from report import (  # noqa: E402
@@ -98,9 +100,9 @@ def torch_route(s: Shape, logits: torch.Tensor, bias: torch.Tensor | None):
 
 def triton_route(s: Shape, logits: torch.Tensor, bias: torch.Tensor | None):
     if s.router == "sigmoid":
-        return fm.route_sigmoid(logits, s.top_k, s.n_group, s.topk_group, bias, s.renormalize,
-                                s.scaling)
-    return fm.route_softmax(logits, s.top_k, s.renormalize)
+        return moe_route.route_sigmoid(logits, s.top_k, s.n_group, s.topk_group, bias,
+                                       s.renormalize, s.scaling)
+    return moe_route.route_softmax(logits, s.top_k, s.renormalize)
 
 
 def weights_of(ex: StackedExperts) -> tuple[torch.Tensor, ...]:

@@ -9,9 +9,9 @@
 - ``stage_kernel``: the device half of loading a replayed step's inputs;
 - ``greedy_kernel``: the greedy draw and its confidence in one pass over the logits;
 - ``rng_kernel``: the counter-based ``position_uniform`` in one launch;
-- ``fused_moe``: MoE routing in one launch and the routed experts as grouped GEMMs
-  (token-expert pairs aligned to expert tiles, SiLU-and-mul and the routing weights in
-  the epilogues, a fixed-order per-token sum).
+- ``moe_route``: MoE routing (sigmoid group-limited and softmax top-k) in one launch;
+- ``fused_moe``: the routed experts as grouped GEMMs (token-expert pairs aligned to expert
+  tiles, SiLU-and-mul and the routing weights in the epilogues, a fixed-order per-token sum).
 
 Importing this package imports no Triton (CPU installs have none); each kernel module does, so
 it is imported where Triton is installed only, through :func:`kernel_module`. ``settings``

@@ -10,13 +10,13 @@ speed choice):
   per-expert loop, which reads the routing on the host and so runs eagerly (LLaDA2.0-mini eager
   on an H200: 140 ms a step at batch 1 and 1036 ms at batch 32 with the loop, 29 and 36 grouped;
   bench/NOTES.md, session 8).
-- ``DLLM_FUSED_MOE`` (``fused_moe``, default on): where the grouped path is on, MoE routing
-  (LLaDA2's sigmoid group-limited top-k, the softmax top-k of the others) and the routed experts
-  through the Triton kernels of ``dllm.runner.kernels.fused_moe`` (one routing launch; the
-  pairs aligned to expert tiles, gate/up with SiLU-and-mul, down with the routing weights, and
-  the per-token sum: five launches); off, the torch routers and
-  ``StackedExperts.forward_grouped`` (``grouped_mm``), which round between their steps as the
-  reference does.
+- ``DLLM_FUSED_MOE`` (``fused_moe``, default on): MoE routing (the sigmoid group-limited top-k
+  of LLaDA2 and Nemotron-H, the softmax top-k of the others) in one launch of
+  ``dllm.runner.kernels.moe_route``, and where the grouped path is on the routed experts
+  through ``dllm.runner.kernels.fused_moe`` (the pairs aligned to expert tiles, gate/up with
+  SiLU-and-mul, down with the routing weights, and the per-token sum: five launches); off,
+  the torch routers and ``StackedExperts.forward_grouped`` (``grouped_mm``), which round
+  between their steps as the reference does.
 - ``DLLM_FUSE_RESIDUAL`` (``fuse_residual``, default on): the residual add + RMSNorm in the
   skinny and wide GEMMs' epilogues; off, separate add + RMSNorm kernels, which round as the
   reference does (session 5 told a rounding flip from a bug with it).

@@ -1,11 +1,10 @@
-"""The fused MoE kernels (``dllm.runner.kernels.fused_moe``): the Triton routers choose the
-torch routers' experts with their weights to float32 rounding; the alignment lays the pairs
+"""The fused MoE kernels (``dllm.runner.kernels.fused_moe``): the alignment lays the pairs
 out in expert tiles exactly as specified (sentinel padding, another rank's pairs left out);
 the fused experts equal ``StackedExperts.forward_loop`` and a float32 reference within the
 dtype's rounding, for one token, experts without pairs, every pair on one expert and
 expert-parallel ids; padding rows and another rank's pairs are never written; results are
 bit-for-bit deterministic and a token's output does not depend on its place in the batch; on
-the GPU the whole path replays in a CUDA graph.
+the GPU the whole path, routing (``moe_route``) included, replays in a CUDA graph.
 
 GPU tests (marker ``gpu``). With ``TRITON_INTERPRET=1`` they also run on the CPU under Triton's
 interpreter, in float16 (the interpreter has no bfloat16 arithmetic) and on small shapes."""
@@ -17,17 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.models.moe import StackedExperts, sigmoid_grouped_topk, softmax_topk
+from dllm.models.moe import StackedExperts
 from tests.triton_marks import INTERPRET, MARKS
 
 pytestmark = MARKS
 
 if INTERPRET:
     DEV, DTYPE = "cpu", torch.float16
-    # (T, E, K, n_group, topk_group): LLaDA2.0-mini's router at one token, the tiny test
-    # checkpoint's (8 experts, 4 groups of 2), and no groups with K not a power of two.
-    SIGMOID = [(1, 256, 8, 8, 4), (6, 8, 2, 4, 2), (5, 64, 6, 1, 1)]
-    SOFTMAX = [(4, 60, 4), (3, 8, 2)]  # (T, E, K): E not a power of two
     # (T, E, K, H, I, routing)
     EXPERTS = [(1, 8, 2, 64, 32, "random"), (9, 8, 2, 64, 32, "ep"),
                (24, 16, 2, 64, 64, "skewed"), (20, 4, 1, 64, 32, "one")]
@@ -36,9 +31,6 @@ if INTERPRET:
     ALIGN = [(1, 8, 256, "random"), (37, 3, 8, "ep"), (50, 4, 16, "skewed"), (64, 1, 4, "one")]
 else:
     DEV, DTYPE = "cuda", torch.bfloat16
-    SIGMOID = [(1, 256, 8, 8, 4), (32, 256, 8, 8, 4), (4096, 256, 8, 8, 4), (1000, 8, 2, 4, 2),
-               (333, 64, 6, 1, 1), (77, 128, 8, 8, 3)]
-    SOFTMAX = [(1024, 128, 8), (77, 60, 4), (4096, 64, 8)]
     # LLaDA2.0-mini at batch 1, 32 and 128 of block 32; SDAR-30B-A3B's and LLaDA-MoE's expert
     # shapes; the tiny test checkpoint's.
     EXPERTS = [(32, 256, 8, 2048, 512, "random"), (1, 256, 8, 2048, 512, "random"),
@@ -50,7 +42,6 @@ else:
     ALIGN = [(1, 8, 256, "random"), (37, 3, 8, "ep"), (750, 4, 16, "skewed"),
              (64, 1, 4, "one"), (4096, 8, 256, "random"), (1024, 8, 256, "ep"),
              (40000, 8, 256, "skewed")]
-WEIGHT_TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -67,51 +58,6 @@ def _gen(seed: int, device: str = "cpu") -> torch.Generator:
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     """Normal values made on the device (the real shapes' experts are 800M elements)."""
     return torch.randn(*shape, generator=_gen(seed, DEV), device=DEV) * scale
-
-
-def _check_routing(ids: torch.Tensor, weights: torch.Tensor, ref_ids: torch.Tensor,
-                   ref_weights: torch.Tensor, choice: torch.Tensor) -> None:
-    """The same experts as sets per token and the same weights within ``WEIGHT_TOL``; a token
-    whose sets differ passes only at a tie (the two sets' values for the choice agree to
-    1e-6; torch's ``topk`` breaks ties in no documented order)."""
-    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
-    assert ids.shape == ref_ids.shape and weights.shape == ref_weights.shape
-    ids_s, order = ids.sort(dim=1)
-    ref_s, ref_order = ref_ids.sort(dim=1)
-    same = (ids_s == ref_s).all(dim=1)
-    for t in (~same).nonzero().flatten().tolist():
-        mine = choice[t, ids[t]].sort().values
-        theirs = choice[t, ref_ids[t]].sort().values
-        assert torch.allclose(mine, theirs, rtol=0, atol=1e-6), (t, ids[t], ref_ids[t])
-    assert (~same).sum().item() <= max(1, ids.shape[0] // 100)
-    w = weights.gather(1, order)[same]
-    ref_w = ref_weights.gather(1, ref_order)[same]
-    assert (w - ref_w).abs().max().item() <= WEIGHT_TOL
-
-
-@pytest.mark.parametrize("t,e,k,groups,keep", SIGMOID)
-@pytest.mark.parametrize("bias,renormalize,scaling", [(True, True, 2.5), (False, False, 1.0)])
-def test_sigmoid_router_matches_torch(fm, t, e, k, groups, keep, bias, renormalize, scaling):
-    logits = _randn(t, e, seed=t + e, scale=2.0)
-    b = _randn(e, seed=1, scale=0.1) if bias else None
-    assert fm.supports_sigmoid(logits, k, groups, keep, b)
-    weights, ids = fm.route_sigmoid(logits, k, groups, keep, b, renormalize, scaling)
-    ref_w, ref_ids = sigmoid_grouped_topk(logits, k, groups, keep, b, renormalize, scaling)
-    choice = torch.sigmoid(logits) + (b if bias else 0)
-    _check_routing(ids, weights, ref_ids, ref_w, choice)
-    assert ids.lt(e).all() and ids.ge(0).all()
-
-
-@pytest.mark.parametrize("t,e,k", SOFTMAX)
-@pytest.mark.parametrize("bias,renormalize", [(True, False), (False, True)])
-def test_softmax_router_matches_torch(fm, t, e, k, bias, renormalize):
-    logits = _randn(t, e, seed=t * e, scale=2.0)
-    b = _randn(e, seed=2, scale=0.01) if bias else None
-    assert fm.supports_softmax(logits, k, b)
-    weights, ids = fm.route_softmax(logits, k, renormalize, b)
-    ref_w, ref_ids = softmax_topk(logits, k, renormalize, b)
-    choice = F.softmax(logits, dim=-1) + (b if bias else 0)
-    _check_routing(ids, weights, ref_ids, ref_w, choice)
 
 
 def _routing(t: int, e: int, k: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,15 +231,12 @@ def test_supports(fm):
     assert not fm.supports(x, g, g, d, ids, w.to(DTYPE))
     odd = torch.empty(e, 24, h, dtype=DTYPE, device=DEV)
     assert not fm.supports(x, odd, odd, torch.empty(e, h, 24, dtype=DTYPE, device=DEV), ids, w)
-    logits = torch.zeros(4, 48, device=DEV)
-    assert not fm.supports_sigmoid(logits, 4, 4, 2, None)  # 48 experts: not a power of two
-    assert fm.supports_sigmoid(logits[:, :32], 4, 4, 2, None)
-    assert not fm.supports_sigmoid(logits[:, :32], 9, 4, 1, None)  # more than a group holds
-    assert fm.supports_softmax(logits, 4, None)
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need the GPU")
 def test_routing_and_experts_replay_in_a_cuda_graph(fm):
+    from dllm.runner.kernels import moe_route
+
     t, e, k, h, i = 256, 256, 8, 2048, 512
     ex = _experts(e, h, i, seed=21)
     w = (ex.gate_proj, ex.up_proj, ex.down_proj)
@@ -302,7 +245,7 @@ def test_routing_and_experts_replay_in_a_cuda_graph(fm):
     bias = _randn(e, seed=24, scale=0.1)
 
     def step() -> torch.Tensor:
-        weights, ids = fm.route_sigmoid(logits, k, 8, 4, bias, True, 2.5)
+        weights, ids = moe_route.route_sigmoid(logits, k, 8, 4, bias, True, 2.5)
         return fm.fused_experts(x, *w, ids, weights)
 
     step()
