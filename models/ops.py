@@ -64,7 +64,7 @@ class LayerOps:
     def moe_route_sigmoid(self, logits: torch.Tensor, top_k: int, n_group: int,
                           topk_group: int, bias: torch.Tensor | None, renormalize: bool,
                           scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """LLaDA2 / Ling routing of router logits ``[T, E]``: float32 weights and int64
+        """LLaDA2 / Ling / Nemotron-H routing of router logits ``[T, E]``: float32 weights and int64
         expert ids ``[T, K]``, as ``dllm.models.moe.sigmoid_grouped_topk`` computes them."""
         from dllm.models.moe import sigmoid_grouped_topk
 

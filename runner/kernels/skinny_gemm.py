@@ -193,9 +193,8 @@ def config_for(n: int, k: int, device: torch.device | None = None) -> SkinnyConf
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``skinny_linear(x, weight, bias)`` handles these tensors."""
     ok_device = x.is_cuda or (_INTERPRET and x.device.type == "cpu")
-    if x.dim() == 2 and x.shape[0] > 16 and tuple(weight.shape) not in tuned(ROWS32, x.device):
-        return False
     return (ok_device and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
+            and (x.shape[0] <= 16 or tuple(weight.shape) in tuned(ROWS32, x.device))
             and x.dtype in _HALF and weight.dtype == x.dtype and x.device == weight.device
             and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0 and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
