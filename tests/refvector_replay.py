@@ -1,6 +1,6 @@
 """Replay of the reference vectors (``tests/data/refvectors/*.json``, written by
 ``scripts/refvectors/``): rebuild the tiny checkpoint the official generator ran on, check its
-weights are the same bytes, and run the same prompts through ``LLM.generate``.
+weights are the same (``check_factory_weights``), and run the same prompts through ``LLM.generate``.
 
 A family's test module maps the reference function's own settings (``vector["settings"]``)
 to engine arguments and ``SamplingParams``; that mapping is a rule per reference function,
@@ -18,9 +18,32 @@ from typing import Any
 
 from dllm import LLM, SamplingParams
 from dllm.testing import make_tiny_checkpoint
-from dllm.testing.factory import weights_digest
+from dllm.testing.factory import profile_mismatch, weights_digest, weights_profile
 
 DATA = Path(__file__).parent / "data" / "refvectors"
+# The weights' profiles of every vector's checkpoint, keyed by the digest the vector records
+# (scripts/refvectors/profiles.py): on a machine whose math library rounds the factory's laws
+# differently from the one that made the vectors, the profile says the weights are the same.
+PROFILES = DATA / "weights_profiles.json"
+
+
+@cache
+def _profiles() -> dict[str, Any]:
+    return json.loads(PROFILES.read_text(encoding="utf-8"))
+
+
+def check_factory_weights(path: Path, checkpoint: dict[str, Any], label: str) -> None:
+    """Fails if the factory no longer makes the checkpoint a vector was made on: the same
+    bytes as recorded (``weights_sha256``), or else the recorded profile within
+    ``PROFILE_RTOL`` (the last bits of ``randn``/``exp`` differ between machines)."""
+    want = checkpoint["weights_sha256"]
+    if weights_digest(path) == want:
+        return
+    profile = _profiles().get(want)
+    bad = (["(no profile recorded for this digest)"] if profile is None
+           else profile_mismatch(weights_profile(path), profile))
+    assert not bad, (f"{label}: the factory's weights changed since the vector was made "
+                     f"({', '.join(bad[:4])}); re-run scripts/refvectors")
 
 
 def load_vectors(prefix: str) -> list[dict[str, Any]]:
@@ -55,10 +78,7 @@ def checkpoint_for(vector: dict[str, Any]) -> Path:
     """The vector's checkpoint, built once per session; fails if the factory drifted."""
     c = vector["checkpoint"]
     path = _checkpoint(c["architecture"], c["seed"], json.dumps(c["overrides"], sort_keys=True))
-    digest = weights_digest(path)
-    assert digest == c["weights_sha256"], (
-        f"{vector['name']}: the factory's weights for {c['architecture']} changed since the "
-        "vector was made; re-run scripts/refvectors")
+    check_factory_weights(path, c, f"{vector['name']} ({c['architecture']})")
     return path
 
 

@@ -208,3 +208,35 @@ def test_context_changes_the_prediction(tmp_path: Path) -> None:
         last.append(forward_full(model, ids, AttentionMask.FULL)[-1].softmax(-1))
     tv = [0.5 * (last[0] - q).abs().sum().item() for q in last[1:]]
     assert min(tv) > 0.1
+
+
+def test_a_changed_factory_fails_the_weights_check(tmp_path: Path) -> None:
+    """The reference vectors' weights check (``tests/refvector_replay.check_factory_weights``):
+    the recorded bytes pass; other bytes pass only with the recorded profile, which another
+    seed, one zeroed row or one rescaled tensor do not have."""
+    from safetensors.torch import save_file
+
+    from dllm.testing.factory import profile_mismatch, weights_digest, weights_profile
+    from tests.refvector_replay import DATA, check_factory_weights
+
+    vector = json.loads(next(DATA.glob("dream_*.json")).read_text())
+    c = vector["checkpoint"]
+    path = make_tiny_checkpoint(c["architecture"], tmp_path / "same", seed=c["seed"],
+                                **c["overrides"])
+    check_factory_weights(path, c, "same")  # the recorded bytes, or the recorded profile
+    assert not profile_mismatch(weights_profile(path), weights_profile(path))
+    other = make_tiny_checkpoint(c["architecture"], tmp_path / "seed", seed=c["seed"] + 1,
+                                 **c["overrides"])
+    with pytest.raises(AssertionError, match="factory's weights changed"):
+        check_factory_weights(other, c, "another seed")
+    tensors = load_file(str(path / "model.safetensors"))
+    for label, edit in (("a zeroed row", lambda t: t["model.embed_tokens.weight"][7].zero_()),
+                        ("a rescaled norm", lambda t: t["model.norm.weight"].mul_(1.01))):
+        changed = {k: v.clone() for k, v in tensors.items()}
+        edit(changed)
+        where = tmp_path / label.replace(" ", "_")
+        where.mkdir()
+        save_file(changed, str(where / "model.safetensors"))
+        assert weights_digest(where) != c["weights_sha256"]
+        with pytest.raises(AssertionError, match="factory's weights changed"):
+            check_factory_weights(where, c, label)

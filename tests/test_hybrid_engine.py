@@ -20,8 +20,9 @@ from dllm import LLM, SamplingParams
 from dllm.models.loader import load_model
 from dllm.request import FinishReason
 from dllm.runner.forward_batch import AttentionMask, ForwardMode, LogitsMode, ScheduledBatch
-from dllm.testing.factory import make_tiny_hybrid_checkpoint, weights_digest
+from dllm.testing.factory import make_tiny_hybrid_checkpoint
 from dllm.testing.harness import fail_on_token, forbid_host_sync, run_staggered
+from tests.refvector_replay import check_factory_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_mamba2_mixer import close, decode_b64  # noqa: E402
@@ -37,7 +38,7 @@ def checkpoint_of(name: str, root: Path) -> tuple[dict, Path]:
     ck = record["checkpoint"]
     path = make_tiny_hybrid_checkpoint(ck["layout"], root / name, seed=ck["seed"],
                                        **ck["overrides"])
-    assert weights_digest(path) == ck["weights_sha256"]
+    check_factory_weights(path, ck, ck["layout"])
     return record, path
 
 

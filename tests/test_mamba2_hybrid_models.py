@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dllm.testing.factory import make_tiny_hybrid_checkpoint, weights_digest
+from dllm.testing.factory import make_tiny_hybrid_checkpoint
+from tests.refvector_replay import check_factory_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from naive_hybrid import block_causal_mask, load, naive_logits  # noqa: E402
@@ -31,7 +32,7 @@ def vector(request, tmp_path_factory):
     ck = record["checkpoint"]
     path = make_tiny_hybrid_checkpoint(ck["layout"], tmp_path_factory.mktemp(request.param),
                                        seed=ck["seed"], **ck["overrides"])
-    assert weights_digest(path) == ck["weights_sha256"]
+    check_factory_weights(path, ck, ck["layout"])
     return record, path, load(path)
 
 

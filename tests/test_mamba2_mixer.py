@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from dllm.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from dllm.testing.factory import make_tiny_hybrid_checkpoint, weights_digest
+from dllm.testing.factory import make_tiny_hybrid_checkpoint
+from tests.refvector_replay import check_factory_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from naive_hybrid import load as naive_load  # noqa: E402
@@ -59,7 +60,7 @@ def case(request, tmp_path_factory):
     ck = record["checkpoint"]
     path = make_tiny_hybrid_checkpoint(ck["layout"], tmp_path_factory.mktemp(request.param),
                                        seed=ck["seed"], **ck["overrides"])
-    assert weights_digest(path) == ck["weights_sha256"]
+    check_factory_weights(path, ck, ck["layout"])
     m, config, prefix = mixer_from(path)
     return record, path, m, config, prefix
 

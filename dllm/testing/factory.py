@@ -343,6 +343,40 @@ def weights_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def weights_profile(path: str | Path) -> dict[str, list[float]]:
+    """A checkpoint's tensors summarised in float64, per name: ``[rms, mean |x|, mean]``.
+
+    The factory's laws go through ``torch.randn``/``exp``/``log``, whose last bits differ
+    between CPUs and math libraries (a build's vector kernels against its scalar ones gave
+    thousands of elements apart by up to 1e-2 relative, the profiles by under 1e-6). So a
+    vector's ``weights_sha256`` names the bytes of the machine that made it, and the profile
+    (:func:`profile_mismatch`) tells on another machine whether the factory still makes the
+    same weights: a new seed or law moves a profile by far more than ``PROFILE_RTOL``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out = {}
+    for name in sorted(tensors):
+        x = tensors[name].double()
+        out[name] = [x.pow(2).mean().sqrt().item(), x.abs().mean().item(), x.mean().item()]
+    return out
+
+
+PROFILE_RTOL = 1e-4
+
+
+def profile_mismatch(got: dict[str, list[float]], want: dict[str, list[float]],
+                     rtol: float = PROFILE_RTOL) -> list[str]:
+    """The tensor names where two :func:`weights_profile` results differ (missing on one side,
+    or a statistic off by more than ``rtol`` times the recorded rms)."""
+    bad = sorted(set(got) ^ set(want))
+    for name in sorted(set(got) & set(want)):
+        scale = max(abs(want[name][0]), 1e-30)
+        if any(abs(a - b) > rtol * scale for a, b in zip(got[name], want[name], strict=True)):
+            bad.append(name)
+    return bad
+
+
 def supported_architectures() -> list[str]:
     return sorted(set(RELEASES) | set(HYBRID_RELEASES))
 
