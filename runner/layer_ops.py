@@ -196,7 +196,8 @@ class TritonOps(ResidualFusion, FlashInferOps):
     def norm_gate_up(self, x, residual, weight, eps, gate_up):
         w, b = gate_up.weight, getattr(gate_up, "bias", None)
         if self._takes(x, weight, w, b) and w.shape[0] % 2 == 0:
-            fused = self._gemm.silu_fused(*w.shape, w.device)  # else a separate SiLU kernel is faster
+            # else a separate SiLU kernel is faster
+            fused = self._gemm.silu_fused(*w.shape, w.device, x.scaled.shape[0])
             y = self._gemm.skinny_linear(x.scaled, w, b, sum_sq=x.sum_sq, eps=eps, silu=fused,
                                          pdl=self.pdl)
             return (y if fused else self.silu_and_mul(y)), x.stream
@@ -206,6 +207,10 @@ class TritonOps(ResidualFusion, FlashInferOps):
         h, s = self.pre_norm(x, residual, weight, eps)
         if self._wide.supports_gate_up(h, w, b):
             return self._wide.gate_up_silu(h, w), s
+        if (self._gemm.supports(h, w, b) and w.shape[0] % 2 == 0
+                and self._gemm.silu_fused(*w.shape, w.device, h.shape[0])):
+            # the norm came separately (its producer was not the skinny GEMM): SiLU still rides
+            return self._gemm.skinny_linear(h, w, b, silu=True, pdl=self.pdl), s
         return self.silu_and_mul(self.linear(h, gate_up)), s
 
     def linear_residual(self, x, layer, residual, next_weight, eps):

@@ -598,6 +598,52 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
             assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("fuse_residual", [True, False])
+def test_triton_ops_dream_mlp_at_32_rows(fuse_residual):
+    """Dream-7B's o_proj and MLP at 16 and 32 rows through ``TritonOps``, against the float32
+    reference ops. The gate/up GEMM takes SiLU-and-mul in its epilogue past 16 rows
+    (``SILU_ROWS32``) whether the norm before it rode the o_proj's epilogue (a ``PreNormed``,
+    where the skinny GEMM takes o_proj) or ran as a kernel of its own (the residual fusion
+    off)."""
+    pytest.importorskip("triton")
+    from dllm.models.layers import RMSNorm, SwiGLUMLP
+    from dllm.models.ops import install_ops
+    from dllm.runner.fused_layer import PreNormed, ResidualFusion
+    from dllm.runner.kernels import skinny_gemm
+    from dllm.runner.layer_ops import TritonOps
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hid, inter, eps = 3584, 18944, 1e-6
+    assert skinny_gemm.silu_fused(2 * inter, hid, dev, 32)
+    assert not skinny_gemm.silu_fused(2 * inter, hid, dev, 16)
+    block = torch.nn.ModuleDict(dict(o=torch.nn.Linear(hid, hid, bias=False),
+                                     mlp=SwiGLUMLP(hid, inter), norm=RMSNorm(hid, eps)))
+    torch.nn.init.normal_(block.norm.weight, 1.0, 0.2)
+    block.to(dev, torch.bfloat16)
+    ref = copy.deepcopy(block).float()
+    ops = TritonOps(block, 4096, dev)
+    ops.fuse_residual = fuse_residual
+    install_ops(block, ops)
+    install_ops(ref, ResidualFusion())
+
+    def run(b, x, res):
+        o = b.mlp.ops
+        first = o.linear_residual(x, b.o, res.clone(), b.norm.weight, eps)
+        act, stream = o.norm_gate_up(*first, b.norm.weight, eps, b.mlp.gate_up_proj)
+        return first, act, stream
+
+    for m in (16, 32):
+        x = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
+        res = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
+        first, act, stream = run(block, x, res)
+        _, r_act, r_stream = run(ref, x.float(), res.float())
+        o_skinny = m <= 16 or (hid, hid) in skinny_gemm.ROWS32[(9, 0)]
+        assert isinstance(first[0], PreNormed) == (fuse_residual and o_skinny)
+        for got, want in ((act, r_act), (stream, r_stream)):
+            assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
+
+
 def test_programmatic_dependent_launch_changes_no_bits():
     """The skinny GEMM and the fused q/k/v kernel launched with programmatic dependent launch
     (each may start before its predecessor ends; the GEMM prefetches weights meanwhile), in

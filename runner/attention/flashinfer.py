@@ -216,9 +216,14 @@ class FlashInferBackend(AttentionBackend):
             # number of rows alone, so a captured graph's grid holds for any lengths).
             splits = min(self.triton_extend.splits_for(rows, layer.num_kv_heads, self.num_sms),
                          MAX_KV_SPLITS)
+            # ... and under one wave of programs, a 16-row query tile (more programs)
+            tile = self.triton_extend.launch_config(rows, layer.num_kv_heads,
+                                                    block * layer.num_heads // layer.num_kv_heads,
+                                                    layer.head_dim, splits, self.num_sms)
             return self.triton_extend.dllm_extend_attention(
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[:rows],
-                fb.seq_lens[:rows], block, layer.scaling, num_splits=splits, pdl=self.pdl)
+                fb.seq_lens[:rows], block, layer.scaling, config=tile, num_splits=splits,
+                pdl=self.pdl)
         if block == 1:
             return wrapper.run(q.contiguous(), cache)
         # [rows·block, heads, d] -> [rows, kv heads · block · group, d]: query head

@@ -84,7 +84,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dllm.runner.kernels.hardware import num_sms, tuned
 
-__all__ = ["CONFIGS", "ROWS32", "SILU_CONFIGS", "SkinnyConfig", "config_for",
+__all__ = ["CONFIGS", "ROWS32", "SILU_CONFIGS", "SILU_ROWS32", "SkinnyConfig", "config_for",
            "residual_operands_match", "silu_fused", "skinny_linear", "skinny_linear_residual", "supports",
            "supports_residual"]
 
@@ -140,24 +140,53 @@ SILU_CONFIGS: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
     },
 }
 
-
-# Compute capability -> the (N, K) weight shapes the kernel takes past 16 rows. At 24-32 rows on
-# the H200 (``bench/kernels/skinny_gemm.py --tokens 16,24,32``; bench/NOTES.md, session 17)
-# cuBLAS wins on qkv (15.8 µs against 18.7) and down (28.6 against 30.4) and so keeps them, with
-# the separate add + RMSNorm after down; o_proj (12.7 against 13.1) and gate/up (50.6 against
-# 49.1, which its fused SiLU-and-mul and norm repay) run here, with the residual step after
-# o_proj in the epilogues. LLaDA-8B's dual-cache step (bench/engine/full_attention.py, 32 rows
-# a forward): 5.07 ms with these two shapes here, 5.10 with cuBLAS past 16 rows (back to back
-# on one machine), 5.23 with every shape here up to 32 rows.
-ROWS32: dict[tuple[int, int], frozenset[tuple[int, int]]] = {
-    (9, 0): frozenset({(4096, 4096), (24576, 4096)}),
+# The same for the 32-row tile (past 16 rows; the shape must also be in ``ROWS32``). From
+# ``bench/kernels/skinny_gemm.py --fused --tokens 32 --silu-configs ...`` on the H200
+# (bench/NOTES.md, session 18): the 8B gate/up 52.9 µs (the 16-row tile's 3 stages: 56.1;
+# plain 50.7, plus a separate SiLU kernel of ~4 µs and its launch gap); Dream-7B's 68.5
+# (plain 68.4).
+SILU_ROWS32: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
+    (9, 0): {
+        (24576, 4096): SkinnyConfig(64, 128, 1, 4, 4),
+        (37888, 3584): SkinnyConfig(128, 64, 1, 8, 3),
+    },
 }
 
 
-def silu_fused(rows: int, k: int, device: torch.device | None = None) -> bool:
+# Compute capability -> the (N, K) weight shapes the kernel takes past 16 rows -> the
+# configuration of their 32-row tile (a tile of its own: its bits already differ from the
+# 16-row tile's). At 24-32 rows on the H200 (``bench/kernels/skinny_gemm.py --tokens 16,24,32``;
+# bench/NOTES.md, session 17) cuBLAS wins on qkv (15.8 µs against 18.7) and down (28.6
+# against 30.4) at the 16-row tile's configuration and so keeps them, with the separate add +
+# RMSNorm after down; o_proj (12.7 against 13.1) and gate/up (50.6 against 49.1, which its
+# fused SiLU-and-mul and norm repay) run here, with the residual step after o_proj in the
+# epilogues. LLaDA-8B's dual-cache step (bench/engine/full_attention.py, 32 rows a forward):
+# 5.07 ms with these two shapes here, 5.10 with cuBLAS past 16 rows (back to back on one
+# machine), 5.23 with every shape here up to 32 rows.
+ROWS32: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
+    (9, 0): {
+        (4096, 4096): SkinnyConfig(32, 512, 1, 4, 3),  # o_proj
+        (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6),  # gate_up
+        # `--sweep --tokens 32` (bench/NOTES.md, session 18): LLaDA-8B's q/k/v 27.0 µs against
+        # cuBLAS's 28.7; Dream-7B's gate/up 68.9 against 73.5. Dream's q/k/v, o_proj and down
+        # stay on cuBLAS (11.5, 11.4, 38.9 against 13.8, 11.6, 38.8 at their best split).
+        (12288, 4096): SkinnyConfig(64, 128, 1, 4, 4),  # LLaDA-8B qkv
+        (37888, 3584): SkinnyConfig(64, 128, 1, 4, 4),  # Dream-7B (Qwen2-7B) gate_up
+        (3584, 3584): SkinnyConfig(32, 256, 1, 8, 4),  # Dream-7B o_proj
+    },
+}
+
+
+def _silu_config(rows: int, k: int, device: torch.device | None, m: int
+                 ) -> SkinnyConfig | None:
+    return tuned(SILU_ROWS32 if m > 16 else SILU_CONFIGS, device).get((rows, k))
+
+
+def silu_fused(rows: int, k: int, device: torch.device | None = None, m: int = 1) -> bool:
     """Whether SiLU-and-mul in the gate/up GEMM's epilogue is measured to beat a separate
-    kernel for this weight shape (on ``device``; None: the reference device)."""
-    return (rows, k) in tuned(SILU_CONFIGS, device)
+    kernel for this weight shape at ``m`` rows of x (on ``device``; None: the reference
+    device)."""
+    return _silu_config(rows, k, device, m) is not None
 
 
 def _block_m(m: int) -> int:
@@ -184,8 +213,14 @@ def _default(n: int, k: int, sms: int) -> SkinnyConfig:
                         num_warps=8 if block_n == 128 else 4, num_stages=stages)
 
 
-def config_for(n: int, k: int, device: torch.device | None = None) -> SkinnyConfig:
-    """The configuration for an ``[n, k]`` weight on ``device`` (None: the reference device)."""
+def config_for(n: int, k: int, device: torch.device | None = None, rows: int = 1
+               ) -> SkinnyConfig:
+    """The configuration for an ``[n, k]`` weight on ``device`` (None: the reference device)
+    at ``rows`` rows of x: the 16-row tile's up to 16 rows, past that the 32-row tile's
+    (``ROWS32``; the 16-row tile's configuration where that has no entry)."""
+    cfg = tuned(ROWS32, device).get((n, k)) if rows > 16 else None
+    if cfg is not None:
+        return cfg
     cfg = tuned(CONFIGS, device).get((n, k))
     return cfg if cfg is not None else _default(n, k, num_sms(device))
 
@@ -377,10 +412,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if config is not None:
         cfg = config  # with silu: BLOCK_N rows of gate and as many of up per program
     elif silu:
-        cfg = (tuned(SILU_CONFIGS, x.device).get((rows, k))
-               or _halved(config_for(rows, k, x.device)))
+        cfg = _silu_config(rows, k, x.device, m) or _halved(config_for(rows, k, x.device, m))
     else:
-        cfg = config_for(rows, k, x.device)
+        cfg = config_for(rows, k, x.device, m)
     if silu or sum_sq is not None:
         cfg = _unsplit(cfg)
     out = _output(out, m, n, x)
@@ -429,7 +463,7 @@ def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_M and weight.shape[1] == k and k % 16 == 0
-    cfg = _unsplit(config if config is not None else config_for(n, k, x.device))
+    cfg = _unsplit(config if config is not None else config_for(n, k, x.device, m))
     stream = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scaled = torch.empty((m, n), dtype=x.dtype, device=x.device)
     sum_sq = torch.empty((triton.cdiv(n, cfg.block_n), _block_m(m)), dtype=torch.float32,

@@ -17,8 +17,10 @@ dot (as flash attention does), and writes ``acc / l`` to ``out`` in the ``[T, H,
 no head permutation before or after. Rows of ``seq_len == 0`` (CUDA-graph padding rows) run
 no key chunk and write zeros. The grid is ``(rows, Hkv, M chunks)``, sizes the host knows, and
 nothing is read back from the device: the launch can be captured in a CUDA graph. The tile
-config depends only on (M, D), never on the batch, and a program reads only its own row: a
-row's output is bit-identical whatever batch it runs in.
+config depends only on (M, D) (``default_config``), never on the batch, and a program reads
+only its own row: a row's output is bit-identical whatever batch it runs in. (The attention
+backend picks the split count, below, and for a grid under one wave the query tile from the
+row count, :func:`launch_config`: there a row's bits are the same within one (splits, tile).)
 
 The bound (SDAR-8B, 32/8 heads of 128, B = 4, 128 rows of ~330 keys, bf16): each row reads
 its keys' K and V once per KV head, 128 × 330 × 8 × 128 × 2 B × 2 = 173 MB a layer, ≈ 41 µs at
@@ -105,6 +107,29 @@ def default_config(m: int, head_dim: int) -> dict:
                     KV_FIRST=False)
     # SDAR-8B (M = 4 × 4): every BLOCK_N / warps / stages / prefetch variant within 2 µs
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3, **common)
+
+
+# A split launch whose grid at ``default_config``'s query tile stays under one wave (a row or
+# so of a full-attention window or an LLaDA2 block): a 16-row query tile, which multiplies the
+# programs. Measured on the H200 at one row of 384 keys, 4 splits, the launch in a CUDA graph
+# of launches over KV copies (bench/kernels/triton_attention.py --sweep-splits; bench/NOTES.md,
+# session 18): LLaDA-8B 10.6 → 9.6 µs (32 KV heads, 32 query rows), Dream-7B 18.2 → 8.9
+# (4 KV heads, 224 rows), LLaDA2-mini 17.1 → 7.9 (4 KV heads, 128 rows).
+SMALL_GRID = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=3, PREFETCH=1, KV_FIRST=False)
+
+
+def launch_config(rows: int, num_kv_heads: int, m: int, head_dim: int, num_splits: int,
+                  num_sms: int) -> dict | None:
+    """A launch plan's tile, for ``dllm_extend_attention(config=...)``: ``SMALL_GRID`` for a
+    split launch (``num_splits`` > 1) of head_dim <= 128 whose grid at the default query tile
+    (wider than 16 rows) would leave SMs of the ``num_sms`` idle; None (the default tile)
+    otherwise. From host numbers only (graph-safe); like the split count it depends on the
+    row count."""
+    block_m = default_config(m, head_dim)["BLOCK_M"]
+    if (num_splits > 1 and head_dim <= 128 and block_m > 16
+            and rows * num_kv_heads * triton.cdiv(m, block_m) * num_splits < num_sms):
+        return dict(SMALL_GRID)
+    return None
 
 
 if triton is not None:
@@ -351,8 +376,11 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     ``k_buf``/``v_buf`` ``[num_slots, Hkv, D]``; ``req_to_token`` ``[R, C]`` int64 slot table;
     ``req_pool_indices``/``seq_lens`` ``[rows]`` int64 on the device. Row r's queries see keys
     ``[0, seq_lens[r])`` of table row ``req_pool_indices[r]``, all of them (non-causal).
-    Returns ``out`` (allocated ``[T, H, D]`` like ``q`` when None). ``config`` overrides the
-    tile config (BLOCK_M, BLOCK_N, num_warps, num_stages): for benchmarks only.
+    Returns ``out`` (allocated ``[T, H, D]`` like ``q`` when None). ``config`` overrides
+    keys of the tile config ``default_config(B·G, D)`` (BLOCK_M, BLOCK_N, num_warps,
+    num_stages, PREFETCH, KV_FIRST): a caller's launch plan (:func:`launch_config`) or a
+    benchmark's variant. A row's bits are the same in any batch launched with the same
+    ``num_splits`` and ``config``.
 
     ``num_splits`` S > 1 splits every row's keys over S programs (split s takes the BLOCK_N
     chunks s, s + S, ...; any seq_len, the grid fixed), which write float32 partials to a
@@ -462,5 +490,5 @@ def reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     return out
 
 
-__all__ = ["decode_attention", "default_config", "dllm_extend_attention", "reference",
-           "splits_for", "supports"]
+__all__ = ["SMALL_GRID", "decode_attention", "default_config", "dllm_extend_attention",
+           "launch_config", "reference", "splits_for", "supports"]

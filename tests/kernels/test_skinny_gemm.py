@@ -132,6 +132,10 @@ def test_supports(sg):
     assert not sg.supports(torch.empty(4, 512, dtype=DTYPE, device=DEV).t().contiguous().t(),
                            w)
     assert sg.config_for(4096, 4096) == sg.config_for(4096, 4096)  # keyed on (N, K) alone
+    # the 32-row tile has its own configurations; a shape without one keeps the 16-row tile's
+    assert sg.config_for(4096, 4096, rows=17) == sg.ROWS32[(9, 0)][(4096, 4096)]
+    assert sg.config_for(4096, 4096, rows=16) == sg.CONFIGS[(9, 0)][(4096, 4096)]
+    assert sg.config_for(256, 512, rows=32) == sg.config_for(256, 512, rows=1)
 
 
 def test_graph_capture(sg):
@@ -224,9 +228,9 @@ def test_residual_step_matches_reference(sg, n, k, n2, silu):
         assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2, (m, _rel(out, ref))
 
 
+@pytest.mark.parametrize("n,k", [(384, 256)] if INTERPRET else [(24576, 4096), (37888, 3584)])
 @pytest.mark.parametrize("silu", [False, True])
-def test_silu_without_norm(sg, silu):
-    n, k = (384, 256) if INTERPRET else (24576, 4096)
+def test_silu_without_norm(sg, silu, n, k):
     w, b = _weights(n, k, seed=12)
     for m in (1, 5, 16, 32):
         x = _x(m, k, seed=m)
@@ -236,6 +240,17 @@ def test_silu_without_norm(sg, silu):
             gate, up = ref.chunk(2, dim=-1)
             ref = F.silu(gate) * up
         assert _rel(y, ref) < 1e-2
+
+
+def test_silu_tables(sg):
+    """SiLU rides the gate/up epilogue where a tile's table lists the shape: the 16-row
+    tile's up to 16 rows, the 32-row tile's past that (whose shapes the kernel takes)."""
+    for cc, table in sg.SILU_ROWS32.items():
+        assert set(table) <= set(sg.ROWS32[cc])
+    assert sg.silu_fused(24576, 4096, m=16) and sg.silu_fused(24576, 4096, m=32)
+    assert not sg.silu_fused(37888, 3584, m=16)  # Dream-7B: past 16 rows only
+    assert sg.silu_fused(37888, 3584, m=17)
+    assert not sg.silu_fused(6144, 4096, m=32)
 
 
 @pytest.mark.parametrize("silu", [False, True])

@@ -233,6 +233,7 @@ SPLIT_CASES = {
     "b4_g4_d64": (4, 16, 4, 64, [4, 21, 260, 0, 7]),
     "b4_g4_d256": (4, 16, 4, 256, [4, 50, 129]),
     "decode_b1_g4": (1, 16, 4, 128, [1, 17, 0, 300, 64]),
+    "dream_b32_g7": (32, 28, 4, 128, [32, 250, 0, 384]),  # 224 query rows a KV head
 }
 SPLIT_CONTEXT = 384  # req_to_token width (all seq_lens fit)
 
@@ -311,13 +312,16 @@ def test_triton_extend_one_split_is_default(name):
 
 
 @pytest.mark.parametrize("config", [dict(PREFETCH=1), dict(PREFETCH=2, num_stages=1, BLOCK_N=32),
-                                    dict(KV_FIRST=True), dict(BLOCK_N=128, num_warps=8)],
-                         ids=["prefetch1", "prefetch2", "kv_first", "n128"])
-@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
+                                    dict(KV_FIRST=True), dict(BLOCK_N=128, num_warps=8),
+                                    "small_grid"],
+                         ids=["prefetch1", "prefetch2", "kv_first", "n128", "small_grid"])
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4", "dream_b32_g7"])
 def test_triton_extend_split_configs(name, config, dtype="float16"):
-    """The tile variants (their next-chunk prefetch strides by the split count) with splits."""
-    from dllm.runner.kernels.triton_extend import dllm_extend_attention, reference
+    """The tile variants (their next-chunk prefetch strides by the split count) with splits,
+    the small-grid tile of the launch plan among them."""
+    from dllm.runner.kernels.triton_extend import SMALL_GRID, dllm_extend_attention, reference
 
+    config = SMALL_GRID if config == "small_grid" else config
     q, args = split_inputs(name, _dtype(dtype))
     ref = reference(q, *args)
     for num_splits in (2, 3):
@@ -363,6 +367,21 @@ def test_splits_for():
         s = splits_for(rows, 8)
         assert 1 <= s <= MAX_SPLITS
         assert s == MAX_SPLITS or rows * 8 * s >= 2 * 132
+
+
+def test_launch_config():
+    """The 16-row query tile only for a split launch under one wave at the default tile."""
+    from dllm.runner.kernels.triton_extend import SMALL_GRID, launch_config
+
+    # one row: LLaDA-8B (32 KV heads, 32 rows), Dream-7B (4, 224), LLaDA2-mini (4, 128)
+    assert launch_config(1, 32, 32, 128, 4, 132) == SMALL_GRID
+    assert launch_config(1, 4, 224, 128, 4, 132) == SMALL_GRID
+    assert launch_config(1, 4, 128, 128, 4, 132) == SMALL_GRID
+    assert launch_config(2, 32, 32, 128, 4, 132) is None  # 256 programs already
+    assert launch_config(1, 4, 128, 128, 1, 132) is None  # no split: the default tile
+    assert launch_config(1, 8, 16, 128, 4, 132) is None  # the default tile is 16 rows
+    assert launch_config(1, 4, 128, 256, 4, 132) is None  # head_dim 256: its own tile
+    assert launch_config(1, 4, 128, 128, 4, 16) is None  # a GPU of 16 SMs: a wave
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 16])
