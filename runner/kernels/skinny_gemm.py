@@ -40,9 +40,11 @@ MB of each weight prefetched into L2 and with an ``evict_first`` policy on the w
 (bench/NOTES.md, session 6); ``evict_first`` alone changes nothing (1.143x).
 
 **Determinism and row independence.** There are no atomics and no run-time autotuning: the
-configuration comes from a fixed table keyed on the device's compute capability and (N, K)
-only (``CONFIGS``, with a default heuristic for shapes not in it), so the tiling, the K order
-and the split reduction are the same for every M and every process on a device. The kernel is compiled once per configuration, not per M (M is
+configuration comes from a fixed table keyed on the device's compute capability, (N, K) and
+the row tile only (``CONFIGS`` for the 16-row tile, with a default heuristic for shapes not in
+it; ``ROWS32`` for the 32-row one), so the tiling, the K order and the split reduction are the
+same for every M of a tile and every process on a device. The kernel is compiled once per
+configuration and tile, not per M (M is
 not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
 the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
 output is bit-identical whether it is computed alone or in a batch of up to 16 (and, within
@@ -168,8 +170,11 @@ ROWS32: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
         (4096, 4096): SkinnyConfig(32, 512, 1, 4, 3),  # o_proj
         (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6),  # gate_up
         # `--sweep --tokens 32` (bench/NOTES.md, session 18): LLaDA-8B's q/k/v 27.0 µs against
-        # cuBLAS's 28.7; Dream-7B's gate/up 68.9 against 73.5. Dream's q/k/v, o_proj and down
-        # stay on cuBLAS (11.5, 11.4, 38.9 against 13.8, 11.6, 38.8 at their best split).
+        # cuBLAS's 28.7; Dream-7B's gate/up 68.9 against 73.5 (with SiLU: SILU_ROWS32). Dream's
+        # o_proj alone is slower (12.3 against 11.4 with cuBLAS's split-K reduction) but
+        # carries the residual step, which saves the add + RMSNorm kernel: Dream-7B's dual
+        # step 4.78 ms with it against 4.83 without, back to back. Dream's q/k/v and down stay
+        # on cuBLAS (11.5 and 38.9 against 13.8 and 38.8 at their best split).
         (12288, 4096): SkinnyConfig(64, 128, 1, 4, 4),  # LLaDA-8B qkv
         (37888, 3584): SkinnyConfig(64, 128, 1, 4, 4),  # Dream-7B (Qwen2-7B) gate_up
         (3584, 3584): SkinnyConfig(32, 256, 1, 8, 4),  # Dream-7B o_proj
