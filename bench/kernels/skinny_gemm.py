@@ -44,6 +44,12 @@ from report import (  # noqa: E402
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),
           ("down", 4096, 12288)]
 LM_HEAD = ("lm_head", 151936, 4096)
+# Named with --shapes only: LLaDA-8B's q/k/v (32 KV heads) and LM head, and Dream-7B's (Qwen2-7B:
+# hidden 3584, intermediate 18944, 28/4 heads of 128, vocabulary 152064).
+MORE = [("llada-qkv", 12288, 4096), ("llada-lm_head", 126464, 4096),
+        ("dream-qkv", 4608, 3584), ("dream-o_proj", 3584, 3584),
+        ("dream-gate_up", 37888, 3584), ("dream-down", 3584, 18944),
+        ("dream-lm_head", 152064, 3584)]
 ROTATE_BYTES = 400 * 2**20
 DEVICE = torch.device("cuda")  # the tables of the device the benchmark runs on
 SMEM_LIMIT = 200 * 1024  # bytes of shared memory a candidate's pipeline may use (H200: 227 KB)
@@ -55,16 +61,17 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def candidates(n: int, k: int) -> list:
+def candidates(n: int, k: int, block_m: int = 16) -> list:
     """A few dozen configurations per shape: tile widths 16-128, K tiles 128-512, pipelines
     holding ~32, ~64 or ~96 KB of W per program, and the K splits that bring the grid to
-    between ~1 and ~12 programs per SM (split-K costs a second, reduction kernel)."""
+    between ~1 and ~12 programs per SM (split-K costs a second, reduction kernel). ``block_m``:
+    the padded rows of x each pipeline stage also holds."""
     out = []
     for bn in (16, 32, 64, 128):
         for bk in (128, 256, 512):
             tile = bn * bk * 2
             for stages in sorted({max(2, min(10, kb * 1024 // tile)) for kb in (32, 64, 96)}):
-                if stages * (bn + 16) * bk * 2 > SMEM_LIMIT:
+                if stages * (bn + block_m) * bk * 2 > SMEM_LIMIT:
                     continue
                 for split in (1, 2, 3, 4):
                     progs = -(-n // bn) * split
@@ -72,7 +79,7 @@ def candidates(n: int, k: int) -> list:
                         continue
                     out.append(sg.SkinnyConfig(bn, bk, split, 8 if bn == 128 else 4, stages))
     # The non-swapped operand order and 8 warps, for the table's config.
-    base = sg.config_for(n, k, DEVICE)
+    base = sg.config_for(n, k, DEVICE, rows=block_m)
     out += [sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, base.num_warps,
                             base.num_stages, swap_ab=False),
             sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, 8, base.num_stages),
@@ -85,14 +92,47 @@ def candidates(n: int, k: int) -> list:
     return uniq
 
 
+def _compile(jobs: list) -> int:
+    """Compiles the kernels of ``(n, k, m, config)`` cases in this process (one call each on
+    small zero tensors): fills Triton's on-disk cache for the timed run. Returns the count."""
+    for n, k, m, cfg in jobs:
+        w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        try:
+            sg.skinny_linear(x, w, config=cfg)
+        except Exception:  # noqa: BLE001 (refused configs are reported by the timed run)
+            pass
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(cases: list, workers: int) -> None:
+    """Triton compiles a kernel in the calling thread, a second or more each: a sweep of a
+    few hundred configurations spends minutes there. Compile them ahead in ``workers``
+    processes sharing the cache directory."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    t = time.time()
+    parts = [cases[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        done = sum(pool.map(_compile, [p for p in parts if p]))
+    print(f"precompiled {done} cases in {workers} processes: {time.time() - t:.0f} s",
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tokens", default="1,4,8,16")
     ap.add_argument("--sweep", action="store_true", help="time candidate configs per shape")
     ap.add_argument("--lm-head", action="store_true", help="also the N=151936 LM head")
-    ap.add_argument("--shapes", default="", help="comma list of shape names (default all)")
+    ap.add_argument("--shapes", default="",
+                    help="comma list of shape names (default: the 8B shapes; also "
+                         + ", ".join(n for n, _, _ in [LM_HEAD] + MORE) + ")")
     ap.add_argument("--max-configs", type=int, default=0, help="cap candidates per shape")
+    ap.add_argument("--compile-jobs", type=int, default=0,
+                    help="with --sweep: compile the candidates first in this many processes")
     ap.add_argument("--fused", action="store_true",
                     help="time the fused epilogues (residual step, SiLU) against the plain "
                          "kernel")
@@ -109,7 +149,7 @@ def main() -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = SHAPES + ([LM_HEAD] if args.lm_head else [])
     if args.shapes:
-        shapes = [s for s in SHAPES + [LM_HEAD] if s[0] in args.shapes.split(",")]
+        shapes = [s for s in SHAPES + [LM_HEAD] + MORE if s[0] in args.shapes.split(",")]
     env = environment()
     bw = copy_bandwidth()
     print(f"{env}\ncopy ceiling: {bw / 1e12:.2f} TB/s", flush=True)
@@ -117,6 +157,10 @@ def main() -> int:
     rows, sweep = [], []
     failures = 0
     t_start = time.time()
+    if args.sweep and args.compile_jobs > 1:
+        precompile([(n, k, m, cfg) for _name, n, k in shapes
+                    for cfg in candidates(n, k, 32 if max(tokens) > 16 else 16)
+                    for m in tokens], args.compile_jobs)
     for name, n, k in shapes:
         copies = max(1, -(-ROTATE_BYTES // (2 * n * k)))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * k**-0.5 for _ in range(copies)]
@@ -137,10 +181,12 @@ def main() -> int:
             cublas[m] = us
             rows.append(dict(shape=name, n=n, k=k, m=m, impl="cublas", config="", us=us,
                              tb_s=byts[m] / us / 1e6, err=err))
-        configs = candidates(n, k) if args.sweep else [sg.config_for(n, k, DEVICE)]
+        tile = 32 if max(tokens) > 16 else 16  # the padded rows x takes in shared memory
+        tables = {m: sg.config_for(n, k, DEVICE, rows=m) for m in tokens}
+        configs = (candidates(n, k, tile) if args.sweep
+                   else list(dict.fromkeys(tables.values())))
         if args.max_configs:
             configs = configs[-args.max_configs:]
-        default = sg.config_for(n, k, DEVICE)
         for cfg in configs:
             for m in tokens:
                 try:
@@ -157,7 +203,7 @@ def main() -> int:
                          cfg=cfg.__dict__, us=us, tb_s=byts[m] / us / 1e6, err=err,
                          vs_cublas=cublas[m] / us, ok=ok)
                 sweep.append(r)
-                if cfg == default:
+                if cfg == tables[m]:
                     rows.append(r)
             print(f"  {name} {cfg.label():>20}: " + " ".join(
                 f"M{r['m']}={r['us']:.1f}us/{r['tb_s']:.2f}" for r in sweep
@@ -168,7 +214,7 @@ def main() -> int:
     lines = [f"# Skinny GEMM vs cuBLAS, bf16 ({env['gpu']}, torch {env['torch']}, "
              f"triton {env['triton']})", "",
              f"Copy ceiling (2 GiB device-to-device, read + write): {bw / 1e12:.2f} TB/s", "",
-             "## Table config (`config_for(N, K)`) vs cuBLAS", "",
+             "## Table config (`config_for(N, K, rows=M)`) vs cuBLAS", "",
              "| shape | N | K | M | cuBLAS µs | cuBLAS TB/s | skinny µs | skinny TB/s | "
              "speedup | config | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, n, k in shapes:
@@ -214,7 +260,8 @@ def main() -> int:
                 f"{sel[m]['us']:.1f} ({sel[m]['tb_s']:.2f}, {sel[m]['vs_cublas']:.2f}x)"
                 for m in tokens) + f" | {all(sel[m]['vs_cublas'] > 1 for m in tokens)} |")
         cap = tuple(torch.cuda.get_device_capability(DEVICE))
-        lines += ["", "This device's entry of `CONFIGS` in `runner/kernels/skinny_gemm.py`:", "",
+        table = "ROWS32" if min(tokens) > 16 else "CONFIGS"
+        lines += ["", f"This device's entry of `{table}` in `runner/kernels/skinny_gemm.py`:", "",
                   "```python", f"    {cap}: {{"]
         for name, n, k in shapes:
             c = recommended.get(f"{n},{k}")
@@ -233,7 +280,7 @@ def main() -> int:
     return 1 if failures else 0
 
 
-FUSED_VARIANTS = ["plain", "residual (producer)", "1/rms (consumer)", "silu",
+FUSED_VARIANTS = ["cuBLAS", "plain", "residual (producer)", "1/rms (consumer)", "silu",
                   "1/rms + silu", "plain, pdl", "1/rms + silu, pdl"]
 
 
@@ -247,7 +294,10 @@ def fused_main(args) -> int:
     env = environment()
     dt = torch.bfloat16
     rows, failures = [], 0
-    for name, n, k in SHAPES:
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [s for s in SHAPES + MORE if s[0] in args.shapes.split(",")]
+    for name, n, k in shapes:
         copies = max(1, -(-ROTATE_BYTES // (2 * n * k)))
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * k**-0.5 for _ in range(copies)]
         for m in tokens:
@@ -256,20 +306,22 @@ def fused_main(args) -> int:
             nw = 1 + 0.1 * torch.randn(n, device="cuda", dtype=dt)
             # partial sums for a consumer whose input came from a producer of 128 programs
             ss = (x.float().pow(2).sum(-1) / 128).expand(128, m)
-            sum_sq = torch.zeros(128, 16, device="cuda")
+            sum_sq = torch.zeros(128, 16 if m <= 16 else 32, device="cuda")
             sum_sq[:, :m] = ss
             rstd = torch.rsqrt(x.double().pow(2).sum(-1, keepdim=True) / k + 1e-6)
             plain = x.double() @ ws[0].double().T
-            cases = {"plain": (lambda w, x=x: sg.skinny_linear(x, w), plain),
+            cases = {"cuBLAS": (lambda w, x=x: F.linear(x, w), plain),
+                     "plain": (lambda w, x=x: sg.skinny_linear(x, w), plain),
                      "plain, pdl": (lambda w, x=x: sg.skinny_linear(x, w, pdl=True), plain)}
-            if name in ("o_proj", "down"):
+            role = name.rsplit("-", 1)[-1]  # "dream-gate_up": the gate_up of another model
+            if role in ("o_proj", "down"):
                 cases["residual (producer)"] = (
                     lambda w, x=x, r=r, nw=nw: sg.skinny_linear_residual(x, w, None, r, nw)[0],
                     plain + r.double())
-            if name in ("qkv", "gate_up"):
+            if role in ("qkv", "gate_up"):
                 cases["1/rms (consumer)"] = (lambda w, x=x, ss=sum_sq: sg.skinny_linear(
                     x, w, sum_sq=ss, eps=1e-6), plain * rstd)
-            if name == "gate_up":
+            if role == "gate_up":
                 gate, up = plain.chunk(2, dim=-1)
                 gate_n, up_n = (plain * rstd).chunk(2, dim=-1)
                 cases["silu"] = (lambda w, x=x: sg.skinny_linear(x, w, silu=True),
@@ -304,7 +356,7 @@ def fused_main(args) -> int:
              "Median µs per call over CUDA-graph replays, weights rotated through > L2.", "",
              "| shape | M | " + " | ".join(FUSED_VARIANTS) + " |",
              "|---|---|" + "---|" * len(FUSED_VARIANTS)]
-    for name, _n, _k in SHAPES:
+    for name, _n, _k in shapes:
         for m in tokens:
             cell = {r["variant"]: f"{r['us']:.1f}" for r in rows
                     if r["shape"] == name and r["m"] == m}

@@ -1,17 +1,23 @@
 """The ``DLLM_EXTEND`` attention of one layer alone: the Triton paged kernel
 (runner/kernels/triton_extend.py) against FlashInfer's packed decode form (the production
 path at large batch, with and without its two head permutations) and its paged prefill with
-``causal=False``, on SDAR-8B and LLaDA2-mini shapes, over a KV pool of shuffled pages.
+``causal=False``, on SDAR-8B, LLaDA2-mini and the full-attention models' window shapes, over a
+KV pool of shuffled pages.
 
     python bench/kernels/triton_attention.py --rows 1,8,32,128 --keys 330 [--sweep]
+    python bench/kernels/triton_attention.py --models llada-8b,dream-7b --rows 1 --keys 384 \
+        --jitter 0 --splits 1,4,8 --sweep --sweep-rows 1 --sweep-splits 4,8,16
 
 Each form is checked against a float32 reference first. ``µs``: the median of single calls
 each after a read of 256 MB (L2 holds other, clean data: the KV comes from HBM, as in a step
 where 36 layers pass in between); also ``triton.testing.do_bench``'s median (its L2 flush
-zeroes a buffer, whose dirty lines are written back during the timed call: slower) and the
-mean CUDA-graph replay (one launch a replay, L2 not flushed). The sweep uses do_bench. GB/s counts the KV bytes the rows must read (K and V of
-every key of every KV head, once). Prints a markdown table; writes ``triton-attn-*.md`` and
-``.json`` under ``--out``.
+zeroes a buffer, whose dirty lines are written back during the timed call: slower), the
+mean CUDA-graph replay (one launch a replay, L2 not flushed) and, for the Triton kernel, the
+median call of a CUDA graph of calls taking turns among copies of the KV pool (> 400 MB in
+all: back to back, keys from HBM, as a step's layers run them). The sweep uses do_bench, or
+with ``--sweep-splits`` (few rows: a launch's latency) the graph over KV copies. GB/s counts
+the KV bytes the rows must read (K and V of every key of every KV head, once). Prints a
+markdown table; writes ``triton-attn-*.md`` and ``.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -23,20 +29,37 @@ from pathlib import Path
 
 import torch
 
-from dllm.runner.kernels.triton_extend import default_config, dllm_extend_attention, reference
+from dllm.runner.kernels.triton_extend import (
+    default_config,
+    dllm_extend_attention,
+    reference,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
-from report import copy_bandwidth, environment, require_cuda, stamp, write_report  # noqa: E402
+from report import (  # noqa: E402
+    copy_bandwidth,
+    environment,
+    require_cuda,
+    rotating_us,
+    stamp,
+    write_report,
+)
 
 # name: (query heads, KV heads, head dim, block size)
 MODELS = {"sdar-8b": (32, 8, 128, 4), "llada2-mini": (16, 4, 128, 32),
-          "qwen3-8b-decode": (32, 8, 128, 1)}
+          "qwen3-8b-decode": (32, 8, 128, 1),
+          # full attention's 32-token dual-cache window (LLaDA-8B: 32 KV heads; Dream-7B: 28/4)
+          "llada-8b": (32, 32, 128, 32), "dream-7b": (28, 4, 128, 32)}
 PAGE = 16
 SWEEP = [dict(BLOCK_N=n, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
          for n in (32, 64) for w in (4, 8) for s in (1, 2, 3) for p in (0, 1, 2)
          for f in (False, True)]
 SWEEP += [dict(BLOCK_N=128, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
           for w in (4, 8) for s in (2, 3) for p in (0, 1) for f in (False, True)]
+# With --sweep-splits (few rows, keys split over several programs): the query tile's height
+# too, up to the block's own (B·G rows), with fewer of the other knobs.
+SPLIT_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=s, PREFETCH=p, KV_FIRST=False)
+               for m in (16, 32, 64, 128) for n in (32, 64) for s in (2, 3) for p in (0, 1)]
 
 
 def build(rows: int, keys: int, jitter: float, h: int, hkv: int, d: int, block: int,
@@ -156,6 +179,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time BLOCK_N × num_warps × num_stages × PREFETCH × KV_FIRST")
     ap.add_argument("--sweep-rows", default="32,128", help="row counts the sweep runs at")
+    ap.add_argument("--sweep-splits", default="1",
+                    help="comma list of key-split counts the sweep runs each config at (other "
+                         "than 1: the query tile's height swept too, fewer of the rest)")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--splits", default="",
                     help="comma list of key-split counts to time the default config at (the "
@@ -188,11 +214,22 @@ def main() -> int:
             base = dict(model=model, rows=rows, mean_keys=float(b["seq_cpu"].float().mean()),
                         kv_mb=b["kv_bytes"] / 1e6, floor_us=b["kv_bytes"] / bw * 1e6)
 
-            def timed(fn, graph=False, flush=flush):
+            # Copies of the KV pool, > 400 MB in all: in a graph of calls taking turns among
+            # them, each call reads its keys from HBM, back to back, as a step's layers do.
+            kvs = [(b["k"].clone(), b["v"].clone())
+                   for _ in range(max(2, -(-400 * 2**20 // (2 * b["k"].numel() * 2))))]
+
+            def hbm_us(kv_fn, kvs=kvs) -> float:
+                """µs a call of ``kv_fn(k, v)`` in a graph of calls over the KV copies."""
+                return rotating_us(lambda kv: kv_fn(*kv), kvs, max(40, len(kvs)))
+
+            def timed(fn, graph=False, flush=flush, kv_fn=None):
                 us = bench(fn)
                 extra = dict(zeroed_l2_us=us, clean_l2_us=cold_us(fn, flush))
                 if graph:  # (FlashInfer's eager wrappers are not captured here)
                     extra["graph_replay_us"] = graph_replay_us(fn)
+                if kv_fn is not None:
+                    extra["hbm_graph_us"] = hbm_us(kv_fn)
                 return extra["clean_l2_us"], extra
 
             def record(impl, us, out, extra=None, base=base, ref=ref, b=b):
@@ -207,8 +244,10 @@ def main() -> int:
             out = torch.full_like(b["q"], float("nan"))
             cfg = default_config(block * h // hkv, d)
             dllm_extend_attention(*call, out=out)
+            rest = call[3:]
             t, extra = timed(lambda call=call, out=out: dllm_extend_attention(*call, out=out),
-                             graph=True)
+                             graph=True, kv_fn=lambda k, v, q=b["q"], rest=rest, out=out:
+                             dllm_extend_attention(q, k, v, *rest, out=out))
             record("triton (default)", t, out, dict(extra, config=cfg))
             for n in (int(v) for v in filter(None, args.splits.split(","))):
                 for fold in (True, False):
@@ -218,23 +257,34 @@ def main() -> int:
                                                      fold_merge=fold)
 
                     fn()
-                    t, extra = timed(fn, graph=True)
+                    t, extra = timed(fn, graph=True, kv_fn=lambda k, v, q=b["q"], rest=rest,
+                                     o=o, n=n, fold=fold: dllm_extend_attention(
+                                         q, k, v, *rest, out=o, num_splits=n, fold_merge=fold))
                     record(f"triton, {n} splits{'' if fold else ', merge launch'}", t, o,
                            dict(extra, config=cfg))
                     if n == 1:
                         break
             if args.sweep and str(rows) in args.sweep_rows.split(","):
                 best = None
-                for c in SWEEP:
+                splits = [int(n) for n in args.sweep_splits.split(",")]
+                space = SWEEP if splits == [1] else [
+                    c for c in SPLIT_SWEEP
+                    if c["BLOCK_M"] <= max(16, triton.next_power_of_2(block * h // hkv))]
+                for c, n in ((c, n) for n in splits for c in space):
                     try:
                         o = torch.full_like(b["q"], float("nan"))
-                        dllm_extend_attention(*call, out=o, config=c)
-                        us = bench(lambda call=call, o=o, c=c: dllm_extend_attention(
-                            *call, out=o, config=c))
+                        dllm_extend_attention(*call, out=o, config=c, num_splits=n)
+                        if splits == [1]:
+                            us = bench(lambda call=call, o=o, c=c, n=n: dllm_extend_attention(
+                                *call, out=o, config=c, num_splits=n))
+                        else:  # few rows: the launch's latency, timed as a step runs it
+                            us = hbm_us(lambda k, v, q=b["q"], rest=rest, o=o, c=c, n=n:
+                                        dllm_extend_attention(q, k, v, *rest, out=o,
+                                                              config=c, num_splits=n))
                     except Exception as e:  # out of shared memory, say
                         print(f"{model} rows {rows} {c}: {type(e).__name__}: {e}"[:300])
                         continue
-                    row = record("triton sweep", us, o, dict(config={**cfg, **c}))
+                    row = record("triton sweep", us, o, dict(config={**cfg, **c, "splits": n}))
                     if best is None or us < best["us"]:
                         best = row
                 if best is not None:
@@ -251,14 +301,15 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     head = ("| model | rows | mean keys | KV MB | impl | µs | GB/s | × KV floor | "
-            "µs, do_bench | graph replay µs | max err | config |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "µs, do_bench | graph replay µs | graph over KV copies µs | max err | config |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     shown = [r for r in results if r["impl"] != "triton sweep"]
     md = head + "".join(
         f"| {r['model']} | {r['rows']} | {r['mean_keys']:.0f} | {r['kv_mb']:.1f} | {r['impl']} | "
         f"{r['us']:.1f} | {r['gb_s']:.0f} | {r['us'] / r['floor_us']:.2f} | "
         f"{r.get('zeroed_l2_us', float('nan')):.1f} | "
         f"{r.get('graph_replay_us', float('nan')):.1f} | "
+        f"{r.get('hbm_graph_us', float('nan')):.1f} | "
         f"{_err(r['max_err'])} | "
         f"{r.get('config', '')} |\n" for r in shown)
     print(md)
