@@ -157,9 +157,9 @@ def main() -> int:
     rows, sweep = [], []
     failures = 0
     t_start = time.time()
+    tile = 32 if max(tokens) > 16 else 16  # the padded rows x takes in shared memory
     if args.sweep and args.compile_jobs > 1:
-        precompile([(n, k, m, cfg) for _name, n, k in shapes
-                    for cfg in candidates(n, k, 32 if max(tokens) > 16 else 16)
+        precompile([(n, k, m, cfg) for _name, n, k in shapes for cfg in candidates(n, k, tile)
                     for m in tokens], args.compile_jobs)
     for name, n, k in shapes:
         copies = max(1, -(-ROTATE_BYTES // (2 * n * k)))
@@ -181,7 +181,6 @@ def main() -> int:
             cublas[m] = us
             rows.append(dict(shape=name, n=n, k=k, m=m, impl="cublas", config="", us=us,
                              tb_s=byts[m] / us / 1e6, err=err))
-        tile = 32 if max(tokens) > 16 else 16  # the padded rows x takes in shared memory
         tables = {m: sg.config_for(n, k, DEVICE, rows=m) for m in tokens}
         configs = (candidates(n, k, tile) if args.sweep
                    else list(dict.fromkeys(tables.values())))
@@ -260,7 +259,9 @@ def main() -> int:
                 f"{sel[m]['us']:.1f} ({sel[m]['tb_s']:.2f}, {sel[m]['vs_cublas']:.2f}x)"
                 for m in tokens) + f" | {all(sel[m]['vs_cublas'] > 1 for m in tokens)} |")
         cap = tuple(torch.cuda.get_device_capability(DEVICE))
-        table = "ROWS32" if min(tokens) > 16 else "CONFIGS"
+        # one configuration over token counts of both tiles fits neither table
+        table = ("ROWS32" if min(tokens) > 16 else "CONFIGS" if tile == 16
+                 else "CONFIGS or ROWS32 (the tokens span both row tiles: sweep each alone)")
         lines += ["", f"This device's entry of `{table}` in `runner/kernels/skinny_gemm.py`:", "",
                   "```python", f"    {cap}: {{"]
         for name, n, k in shapes:
