@@ -29,6 +29,13 @@ kernel does (``start + step * i`` in the first half, ``end - step * (steps - i)`
 second, each a fused multiply-add; the CPU kernel gives the same values for every step count
 the vector tests use).
 
+On CUDA with Triton, a batch whose rows are all greedy and unfiltered takes the proposal and
+its confidence (the top probability for ``origin``, ``maskgit_plus`` and
+``confidence_threshold``, the negative entropy for ``entropy``) from
+:mod:`dllm.runner.kernels.dream_kernel`: the reference's element-wise float32 arithmetic,
+its two sums in another fixed order (agreeing to float32 rounding, each row independent of
+the batch), without the float32 ``[positions, vocab]`` tensors of the path below.
+
 Deviation: the reference shares one count over a batch (from the batch-mean mask count);
 here each request gets its own count, which is the reference's whenever the rows have equal
 mask counts. Sampled draws use the counter RNG, not torch's.
@@ -58,6 +65,7 @@ from dllm.algorithms.rng import (
 )
 from dllm.algorithms.selection import finish, masked_positions, rank_positions, select_top
 from dllm.models.parallel import ShardedLogits
+from dllm.runner.kernels import kernel_module
 
 EPS = 1e-3
 
@@ -161,6 +169,22 @@ def _propose(x: DenoiseInput) -> tuple[Tensor, Tensor]:
     return probs, dream_propose(probs, x.sampling, x.step, x.positions)
 
 
+def _greedy_kernel(x: DenoiseInput, entropy: bool
+                   ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """``(x0, p(x0), neg entropy or None)`` from one pass of launches over CUDA logits when
+    every row is greedy and unfiltered and Triton is installed
+    (:mod:`dllm.runner.kernels.dream_kernel`: the reference's element-wise arithmetic, its
+    sums in another fixed order); None elsewhere (``dream_probs`` and the reductions)."""
+    logits, sampling = x.logits, x.sampling
+    if (isinstance(logits, ShardedLogits) or not logits.is_cuda or sampling.may_sample
+            or sampling.may_filter_any):
+        return None
+    kernel = kernel_module("dream_kernel")
+    if kernel is None or not kernel.supports(logits):
+        return None
+    return kernel.dream_greedy(logits, entropy)
+
+
 class DreamOrigin(_Scheduled):
     """Dream ``alg="origin"``: independent per-position transfers (module docstring), the
     per-position coin a counter-RNG uniform; a step may transfer nothing."""
@@ -174,6 +198,11 @@ class DreamOrigin(_Scheduled):
         p = torch.where(last, 1.0, fraction)
         u = position_uniform(x.sampling.seed, x.step, x.positions, Stream.POSITION)
         transfer = masked & (u < p[:, None])
+        if (fused := _greedy_kernel(x, entropy=False)) is not None:
+            x0, top, _ = fused
+            out = finish(x, x0, transfer, masked, confidence=top)
+            out.done = schedule_over(x)
+            return out
         probs, x0 = _propose(x)
         out = finish(x, x0, transfer, masked,  # the score is computed only if reported
                      confidence=lambda: probs.gather(-1, x0[..., None]).squeeze(-1))
@@ -185,10 +214,19 @@ class _DreamRanked(_Scheduled):
     """Shared body of Dream's confidence-ranked schedules."""
 
     defaults = {"steps": 0, "alg_temp": 0.0}
+    # which of the greedy kernel's outputs is ``confidence`` (None: the kernel has none)
+    fused: str | None = None
 
     def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
         """Dream's confidence of each position, ``[bs, B]`` float32."""
         raise NotImplementedError
+
+    def _propose_and_rank(self, x: DenoiseInput) -> tuple[Tensor, Tensor]:
+        if self.fused and (out := _greedy_kernel(x, self.fused == "entropy")) is not None:
+            x0, top, negent = out
+            return x0, negent if self.fused == "entropy" else top
+        probs, x0 = _propose(x)
+        return x0, self.confidence(probs, x0)
 
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
@@ -197,8 +235,7 @@ class _DreamRanked(_Scheduled):
         count = (num_masked.to(torch.float32) * fraction).to(torch.int64)
         count = torch.where(last, num_masked, count)
 
-        probs, x0 = _propose(x)
-        confidence = self.confidence(probs, x0)
+        x0, confidence = self._propose_and_rank(x)
         alg_temp = x.config["alg_temp"]
         sampled = alg_temp > 0
         gumbel = gumbel_from_uniform(
@@ -215,6 +252,7 @@ class DreamMaskGitPlus(_DreamRanked):
     """Dream ``alg="maskgit_plus"``: rank by the proposed token's probability."""
 
     name = "maskgit_plus"
+    fused = "top"
 
     def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
         return vocab_parallel.prob_of(probs, x0)
@@ -233,6 +271,7 @@ class DreamEntropy(_DreamRanked):
     """Dream ``alg="entropy"``: rank by negative entropy ``sum p log(p + 1e-10)``."""
 
     name = "entropy"
+    fused = "entropy"
 
     def confidence(self, probs: Tensor, x0: Tensor) -> Tensor:
         return vocab_parallel.neg_entropy(probs)
@@ -271,8 +310,11 @@ class DreamConfidenceThreshold(UnmaskingAlgorithm):
         steps = x.config["steps"] + x.state["extra_steps"]
         base = x.num_initial_masks // x.config["steps"].clamp(min=1)
         quota = torch.where(x.state["extra_steps"] > 0, 0, base) + x.state["carry"]
-        probs, x0 = _propose(x)
-        confidence = vocab_parallel.prob_of(probs, x0)
+        if (fused := _greedy_kernel(x, entropy=False)) is not None:
+            x0, confidence, _ = fused
+        else:
+            probs, x0 = _propose(x)
+            confidence = vocab_parallel.prob_of(probs, x0)
         rank = rank_positions(confidence, masked)
         chosen = (rank < quota[:, None]) & masked
         rejected = chosen & (rank > 0) & (confidence < x.config["threshold"][:, None])
