@@ -129,7 +129,8 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
     e.runner.forward = forward
     canvas = args.prompt_len + args.gen_len
     if args.profile:
-        profile_kernels(e, prompts[1].tolist(), params, f"{shape} {mode} bs={bs}")
+        profile_kernels(e, prompts[1].tolist(), params, f"{shape} {mode} bs={bs}",
+                        args.profile_top)
     bw, mm = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
 
     def floor_ms(rows: int, width: int, model: torch.nn.Module = e.model) -> float:
@@ -199,6 +200,10 @@ def profile_kernels(e, prompts: list[list[int]], params, label: str, top: int = 
           f"({forwards:.0f} forwards)\n| µs/forward | launches/forward | kernel |\n|---|---|---|")
     for us, count, key in events[:top]:
         print(f"| {us / forwards:.1f} | {count / forwards:.2f} | {key[:110]} |")
+    rest = events[top:]
+    if rest:
+        print(f"| {sum(us for us, _, _ in rest) / forwards:.1f} | "
+              f"{sum(c for _, c, _ in rest) / forwards:.2f} | the other {len(rest)} kernels |")
     print(flush=True)
 
 
@@ -231,6 +236,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--profile", action="store_true",
                     help="after each case, one more batch under torch.profiler: kernels a forward")
+    ap.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
     ap.add_argument("--skinny-max-rows", type=int, default=None,
                     help="A/B: the skinny GEMM's row limit (skinny_gemm.MAX_M; 16 keeps "
                          "cuBLAS past 16 rows)")

@@ -353,6 +353,9 @@ def _timed_reference(counted: torch.nn.Module, gen_for: Callable, batches: list[
     """Time ``gen_for(ids, gen_len)()`` (a callable per batch of prompt ids returning the
     generated ids) with a forward counter on ``counted``; ``batched``: one call takes the
     whole batch (else the batch is its prompts one after another)."""
+    if args.ref_profile is not None:
+        profile_reference(counted, gen_for, prompt_for, args, mode)
+        return
     calls = {"n": 0}
 
     def count(_m, _a):
@@ -379,6 +382,54 @@ def _timed_reference(counted: torch.nn.Module, gen_for: Callable, batches: list[
                          "first_output": out[-1][0].tolist()}])
     finally:
         handle.remove()
+
+
+class _Profiled(Exception):
+    """Raised from the forward hook once the profiled forwards have run."""
+
+
+def profile_reference(counted: torch.nn.Module, gen_for: Callable, prompt_for: Callable,
+                      args: argparse.Namespace, mode: str | None) -> None:
+    """``--ref-profile N``: one prompt of the reference; forwards 1..N run unprofiled (the
+    first compiles), each forward's wall time printed; forwards N+1..N+5 under
+    ``torch.profiler`` (CPU and CUDA), whose op tables are printed; then the request is cut
+    short (no timing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    first, count = args.ref_profile, 5
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda")
+                                     else [])
+    prof = profile(activities=acts)
+    state = {"n": 0, "t": None}
+
+    def hook(_m, _a):
+        sync(args.device)
+        now = time.perf_counter()
+        if state["t"] is not None:
+            progress(f"reference {mode} forward {state['n']}: {now - state['t']:.4f} s")
+        if state["n"] == first:
+            prof.start()
+        elif state["n"] == first + count:
+            prof.stop()
+            raise _Profiled
+        state["n"] += 1
+        state["t"] = time.perf_counter()
+
+    handle = counted.register_forward_pre_hook(hook)
+    ids = torch.tensor(prompt_for(1), device=args.device)
+    try:
+        gen_for(ids, args.gen_len)()
+        progress(f"reference {mode}: the request ended before forward {first + count}")
+    except _Profiled:
+        pass
+    finally:
+        handle.remove()
+    if state["n"] < first + count:
+        return
+    for key in ("self_cuda_time_total", "self_cpu_time_total") if len(acts) > 1 else (
+            "self_cpu_time_total",):
+        print(f"--- reference {mode}: forwards {first + 1}-{first + count}, by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=30))
 
 
 def one_by_one(ids: torch.Tensor, call: Callable) -> torch.Tensor:
@@ -546,6 +597,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ref-warmup-gen", type=int, default=None,
                    help="the reference warm-up's gen length (default: --gen-len)")
+    p.add_argument("--ref-profile", type=int, default=None, metavar="N",
+                   help="instead of timing the reference: one prompt, its first N forwards "
+                        "timed one by one, the next 5 under torch.profiler (tables printed)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)

@@ -103,8 +103,7 @@ def transfer_fraction(x: DenoiseInput) -> tuple[Tensor, Tensor]:
     steps = x.config["steps"]
     last = x.step == steps - 1
     index = torch.minimum(x.step, steps - 1)
-    t = dream_timestep(index, steps)
-    s = dream_timestep(index + 1, steps)
+    t, s = dream_timestep(torch.stack([index, index + 1]), steps)  # one pass for both
     return torch.where(x.step >= steps, 0.0, 1.0 - s / t), last
 
 

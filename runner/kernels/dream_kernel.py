@@ -41,6 +41,7 @@ from triton.language.extra import libdevice
 
 SPLITS = 16  # vocabulary slices per position: 512 programs at a 32-position block
 BLOCK = 2048  # ids per chunk
+NUM_WARPS = 8
 # CUDA's correctly rounded division and libdevice's exp / log; the interpreter has neither
 # (its numpy float32 division, exp and log stand in).
 _CUDA_MATH = os.environ.get("TRITON_INTERPRET") != "1"
@@ -173,7 +174,7 @@ def dream_greedy(logits: torch.Tensor, entropy: bool
     if n:
         slice_len = triton.cdiv(triton.cdiv(vocab, SPLITS), BLOCK) * BLOCK
         grid = (n, SPLITS)
-        shape = dict(SLICE=slice_len, BLOCK=BLOCK, SPLITS=SPLITS, num_warps=8)
+        shape = dict(SLICE=slice_len, BLOCK=BLOCK, SPLITS=SPLITS, num_warps=NUM_WARPS)
         _max_kernel[grid](rows, rows.stride(0), vocab, part_m, **shape)
         _sum_kernel[grid](rows, rows.stride(0), vocab, part_m, part_s, CUDA_MATH=_CUDA_MATH, **shape)
         # no fused multiply-add: each entropy term is rounded as the reference rounds it
