@@ -231,6 +231,21 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
         model.load_state_dict(state, strict=True)
 
 
+def placed(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """The reference model in the run's dtype on the run's device, in eval mode, checked: a
+    model class may build its modules elsewhere whatever the device context says (Fast-dLLM's
+    ``LLaDAModelLM`` always builds on the CPU; its README moves it with ``.to(device)``), and
+    a generator allocates its canvas on ``model.device``, so a model left on the CPU would be
+    timed on the CPU without an error."""
+    model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    want = torch.device(args.device).type
+    where = {t.device.type for t in [*model.parameters(), *model.buffers()]
+             if t.is_floating_point()}
+    if where != {want}:
+        raise SystemExit(f"the reference model's tensors are on {sorted(where)}, not {want}")
+    return model
+
+
 def total_steps(args: argparse.Namespace) -> int:
     return args.steps * (args.gen_len // args.block)
 
@@ -457,7 +472,7 @@ def run_llada_reference(path: str, plan: dict, prompt_for: Callable, report: Rep
     with torch.device(args.device), default_dtype(getattr(torch, args.dtype)):
         model = llada_model.LLaDAModelLM(config)
     load_weights(model, path)
-    model = model.to(getattr(torch, args.dtype)).eval()
+    model = placed(model, args)
     progress("reference model built")
     for mode, batches in plan.items():
         fn = {"exact": fast.generate, "prefix": fast.generate_with_prefix_cache,
@@ -489,7 +504,7 @@ def run_dream_reference(path: str, plan: dict, prompt_for: Callable, report: Rep
         model = modeling.DreamModel(config)
     load_weights(model, path)
     model.generation_config = generation.DreamGenerationConfig.from_pretrained(path)
-    model = model.to(dtype).eval()
+    model = placed(model, args)
     report.facts["reference_attn_implementation"] = model.config._attn_implementation
     # Explicit, as Fast-dLLM's eval.py passes them (tests/test_refvectors_dream.py).
     greedy = {"temperature": 0.0, "top_p": None, "top_k": None, "alg_temp": 0.0}
@@ -529,7 +544,7 @@ def run_llada2_reference(path: str, plan: dict, mask_id: int, prompt_for: Callab
     with torch.device(args.device), default_dtype(dtype):
         model = module.LLaDA2MoeModelLM(config)
     load_weights(model, path)
-    model = model.to(dtype).eval()
+    model = placed(model, args)
     report.facts["reference_attn_implementation"] = model.config._attn_implementation
     if dtype == torch.float32:  # its block mask is bfloat16, which SDPA rejects beside float32
         ref.adapt_mask(model, "mask_float32")
@@ -553,11 +568,10 @@ def run_sdar_reference(path: str, plan: dict, prompt_for: Callable, report: Repo
     off = Official(args.ref_root / "JetAstra+SDAR")
     config = off.configuration.SDARConfig.from_pretrained(path)
     config._attn_implementation = "sdpa"
-    dtype = getattr(torch, args.dtype)
     with torch.device(args.device):
         model = off.modeling.SDARForCausalLM(config)
     load_weights(model, path)
-    model = model.to(dtype).eval()
+    model = placed(model, args)
     mask_id = config.mask_token_id if getattr(config, "mask_token_id", None) is not None \
         else config.vocab_size - 1
 

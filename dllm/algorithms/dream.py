@@ -99,8 +99,12 @@ def dream_timestep(index: Tensor, steps: Tensor) -> Tensor:
 def transfer_fraction(x: DenoiseInput) -> tuple[Tensor, Tensor]:
     """``(1 - s / t)`` as float32 and whether this is the last scheduled step, ``[bs]``. A
     step past the schedule moves nothing (fraction 0): Fast-dLLM's Dream block cache, whose
-    block-start forward is step 0, ends a block of one scheduled step with such a forward."""
+    block-start forward is step 0, ends a block of one scheduled step with such a forward.
+    On CUDA with Triton, one launch of ``dream_kernel.dream_schedule`` (the same bits)."""
     steps = x.config["steps"]
+    kernel = kernel_module("dream_kernel") if x.step.is_cuda else None
+    if kernel is not None:
+        return kernel.dream_schedule(x.step.contiguous(), steps.contiguous(), _SPAN, _END)
     last = x.step == steps - 1
     index = torch.minimum(x.step, steps - 1)
     t, s = dream_timestep(torch.stack([index, index + 1]), steps)  # one pass for both

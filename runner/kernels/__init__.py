@@ -8,7 +8,8 @@
 - ``triton_extend``: paged attention for ``DLLM_EXTEND`` blocks and ``DECODE``;
 - ``stage_kernel``: the device half of loading a replayed step's inputs;
 - ``greedy_kernel``: the greedy draw and its confidence in one pass over the logits;
-- ``dream_kernel``: Dream's greedy proposal, its probability and its entropy in four launches;
+- ``dream_kernel``: Dream's greedy proposal, its probability and its entropy in four launches,
+  and its schedule's transfer fraction in one;
 - ``rng_kernel``: the counter-based ``position_uniform`` in one launch;
 - ``moe_route``: MoE routing (sigmoid group-limited and softmax top-k) in one launch;
 - ``fused_moe``: the routed experts as grouped GEMMs (token-expert pairs aligned to expert

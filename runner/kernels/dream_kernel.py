@@ -1,4 +1,5 @@
-"""Dream's greedy proposal and its confidences in four small launches (Triton; CUDA only).
+"""Dream's greedy proposal and its confidences in four small launches, and its schedule in one
+(Triton; CUDA only).
 
 For a batch whose rows are all greedy and unfiltered, Dream's ``sample_tokens`` computes a
 float32 softmax over the whole vocabulary per position, the first maximum of those
@@ -24,6 +25,11 @@ The proposal is the first id whose probability equals the largest one, ``1 / s``
 maximum logit's ``exp(0) = 1`` divided by ``s``; ``p`` is monotone in the logit, so a lower
 logit can tie it only after rounding, and then it is still the first maximum the reference's
 ``argmax`` picks). That value is also ``maskgit_plus``'s confidence.
+
+``dream_schedule`` is the other per-step computation of Dream's schedules that torch spreads
+over many tiny launches: ``1 - s / t`` from ``torch.linspace``'s CUDA values (about 30
+element-wise kernels over ``[bs]`` rows in ``transfer_fraction``), here one launch with the
+same float64 and float32 roundings, bit for bit.
 
 Launches: the slices' maxima; the slices' sums of ``exp(x - m)`` (each program reads its
 row's maxima); the slices' first maximum and entropy terms (each reads its row's sums, added
@@ -148,6 +154,46 @@ def _finish_kernel(part_s, part_i, part_h, x0_ptr, top_ptr, negent_ptr,
     tl.store(x0_ptr + row, first.to(tl.int64))
     tl.store(top_ptr + row, _div(1.0, s, CUDA_MATH))
     tl.store(negent_ptr + row, _row_sum(part_h, row, SPLITS))
+
+
+@triton.jit
+def _schedule_kernel(step_ptr, steps_ptr, frac_ptr, last_ptr, n, SPAN: tl.constexpr,
+                     END: tl.constexpr, BLOCK: tl.constexpr, CUDA_MATH: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n
+    step = tl.load(step_ptr + r, mask=ok, other=0).to(tl.int64)
+    steps = tl.load(steps_ptr + r, mask=ok, other=1).to(tl.int64)
+    index = tl.minimum(step, steps - 1)
+    # torch.linspace(1, END, steps + 1)[i] as CUDA computes it (dllm.algorithms.dream):
+    # the float32 step, then start + step * i or end - step * (steps - i), exact in float64
+    n64 = steps.to(tl.float64)
+    # (float64 division is IEEE's round-to-nearest in PTX: div.rn.f64)
+    h = (tl.full([BLOCK], SPAN, tl.float64) / n64).to(tl.float32).to(tl.float64)
+    half = (steps + 1) // 2
+    i0 = index.to(tl.float64)
+    t = tl.where(index < half, 1.0 + h * i0, END - h * (n64 - i0)).to(tl.float32)
+    i1 = i0 + 1.0
+    s = tl.where(index + 1 < half, 1.0 + h * i1, END - h * (n64 - i1)).to(tl.float32)
+    frac = tl.where(step >= steps, 0.0, 1.0 - _div(s, t, CUDA_MATH))
+    tl.store(frac_ptr + r, frac, mask=ok)
+    tl.store(last_ptr + r, (step == steps - 1).to(tl.int8), mask=ok)
+
+
+def dream_schedule(step: torch.Tensor, steps: torch.Tensor, span: float, end: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dream's ``1 - s / t`` (float32, 0 past the schedule) and the last-step flag per row
+    (``[bs]`` int ``step`` and ``steps``), bit for bit as ``dllm.algorithms.dream
+    .transfer_fraction`` computes them with torch, in one launch instead of ~30."""
+    n = step.shape[0]
+    frac = torch.empty(n, dtype=torch.float32, device=step.device)
+    last = torch.empty(n, dtype=torch.bool, device=step.device)
+    if n:
+        block = max(16, triton.next_power_of_2(min(n, 1024)))
+        _schedule_kernel[(triton.cdiv(n, block),)](
+            step, steps, frac, last.view(torch.int8), n, SPAN=span, END=end, BLOCK=block,
+            CUDA_MATH=_CUDA_MATH, num_warps=1,
+            **({} if not _CUDA_MATH else {"enable_fp_fusion": False}))
+    return frac, last
 
 
 def supports(logits: torch.Tensor) -> bool:

@@ -127,3 +127,25 @@ def test_dream_algorithms_take_the_kernel_on_cuda(name, config):
     conf = got.confidence() if callable(got.confidence) else got.confidence
     ref = want.confidence() if callable(want.confidence) else want.confidence
     torch.testing.assert_close(conf.cpu(), ref, rtol=1e-5, atol=5e-7)
+
+
+def test_schedule_kernel_equals_the_torch_schedule_bit_for_bit():
+    """``dream_schedule`` against ``transfer_fraction``'s torch path for every step of every
+    schedule up to 96 steps (and past each schedule's end)."""
+    from dllm.runner.kernels import dream_kernel
+
+    pairs = [(i, n) for n in range(1, 97) for i in range(n + 2)]
+    step = torch.tensor([i for i, _ in pairs])
+    steps = torch.tensor([n for _, n in pairs])
+
+    bs = len(pairs)
+    tokens = torch.zeros(bs, 1, dtype=torch.int64)
+    x = DenoiseInput(logits=torch.zeros(bs, 1, 2), tokens=tokens, editable=tokens == 0,
+                     mask_id=1, step=step, num_initial_masks=steps, positions=tokens,
+                     sampling=greedy(bs, "cpu"), config={"steps": steps}, state={})
+    want_frac, want_last = dream.transfer_fraction(x)  # on the CPU: the torch path
+    frac, last = dream_kernel.dream_schedule(step.to(DEV), steps.to(DEV), dream._SPAN,
+                                             dream._END)
+    assert frac.dtype == torch.float32 and last.dtype == torch.bool
+    assert torch.equal(frac.cpu(), want_frac) and torch.equal(last.cpu(), want_last)
+    assert (frac[step.to(DEV) >= steps.to(DEV)] == 0).all()
