@@ -415,7 +415,7 @@ def profile_reference(counted: torch.nn.Module, gen_for: Callable, prompt_for: C
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda")
                                      else [])
     prof = profile(activities=acts)
-    state = {"n": 0, "t": None}
+    state = {"n": 0, "t": None, "started": False, "done": False}
 
     def hook(_m, _a):
         sync(args.device)
@@ -424,8 +424,9 @@ def profile_reference(counted: torch.nn.Module, gen_for: Callable, prompt_for: C
             progress(f"reference {mode} forward {state['n']}: {now - state['t']:.4f} s")
         if state["n"] == first:
             prof.start()
+            state["started"] = True
         elif state["n"] == first + count:
-            prof.stop()
+            state["done"] = True
             raise _Profiled
         state["n"] += 1
         state["t"] = time.perf_counter()
@@ -434,12 +435,14 @@ def profile_reference(counted: torch.nn.Module, gen_for: Callable, prompt_for: C
     ids = torch.tensor(prompt_for(1), device=args.device)
     try:
         gen_for(ids, args.gen_len)()
-        progress(f"reference {mode}: the request ended before forward {first + count}")
     except _Profiled:
         pass
     finally:
         handle.remove()
-    if state["n"] < first + count:
+        if state["started"]:
+            prof.stop()
+    if not state["done"]:
+        progress(f"reference {mode}: the request ended before forward {first + count}")
         return
     for key in ("self_cuda_time_total", "self_cpu_time_total") if len(acts) > 1 else (
             "self_cpu_time_total",):

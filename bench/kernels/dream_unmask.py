@@ -1,8 +1,9 @@
 """Dream's greedy unmasking on one GPU: the fused proposal and confidences
 (runner/kernels/dream_kernel.py) against the reference path (``dream_probs``, ``argmax``,
 ``neg_entropy``: float32 ``[positions, vocab]`` tensors), alone and inside the whole
-``entropy`` step (the schedule, the ranking, the RNG and the writes around it), and the
-kernel's slicing and width swept.
+``entropy`` step (the schedule, the ranking, the RNG and the writes around it; its reference
+column runs the schedule on torch too, ``dream_schedule`` off), and the kernel's slicing and
+width swept.
 
     python bench/kernels/dream_unmask.py --rows 32,256 [--sweep]
 
@@ -70,12 +71,12 @@ def measure(rows: int, sweep: bool, algo, default: tuple[int, int, int]) -> dict
     row["kernel_us"] = graph_us(lambda: dream_kernel.dream_greedy(logits, True))[0]
     x = step_input(logits)
     row["step_kernel_us"] = graph_us(lambda: algo.step(x).tokens)[0]
-    saved = dream._greedy_kernel
-    dream._greedy_kernel = lambda x, entropy: None
+    saved = dream.kernel_module
+    dream.kernel_module = lambda name: None  # the unmasking and the schedule on torch
     try:
         row["step_reference_us"] = graph_us(lambda: algo.step(x).tokens)[0]
     finally:
-        dream._greedy_kernel = saved
+        dream.kernel_module = saved
     if sweep:
         row["sweep"] = {}
         for splits, block, warps in SWEEP:
@@ -101,7 +102,10 @@ def main() -> int:
     algo = get_algorithm("entropy")
     rows_md, results = [], []
     default = (dream_kernel.SPLITS, dream_kernel.BLOCK, dream_kernel.NUM_WARPS)
-    for rows in [int(r) for r in args.rows.split(",")]:
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if any(r < 1 or (r > 32 and r % 32) for r in rows_list):
+        raise SystemExit("--rows: 1-32, or a multiple of 32 (blocks of 32 positions)")
+    for rows in rows_list:
         row = measure(rows, args.sweep, algo, default)
         results.append(row)
         best = min(row.get("sweep", {}).items(), key=lambda kv: kv[1], default=("", float("nan")))

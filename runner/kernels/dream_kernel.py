@@ -23,8 +23,10 @@ reference); they agree with the reference to float32 rounding, not bit for bit.
 
 The proposal is the first id whose probability equals the largest one, ``1 / s`` (the
 maximum logit's ``exp(0) = 1`` divided by ``s``; ``p`` is monotone in the logit, so a lower
-logit can tie it only after rounding, and then it is still the first maximum the reference's
-``argmax`` picks). That value is also ``maskgit_plus``'s confidence.
+logit can tie it only after rounding, within an ulp of ``exp(0)``, and which such ids tie
+depends on ``s``, whose last bit may differ from the reference's). That value is also
+``maskgit_plus``'s confidence. A row whose ``s`` is NaN (a NaN or +inf logit, or no finite
+one) gives id 0 and NaN confidences, as the reference's all-NaN probabilities do.
 
 ``dream_schedule`` is the other per-step computation of Dream's schedules that torch spreads
 over many tiny launches: ``1 - s / t`` from ``torch.linspace``'s CUDA values (about 30
@@ -151,6 +153,9 @@ def _finish_kernel(part_s, part_i, part_h, x0_ptr, top_ptr, negent_ptr,
     row = tl.program_id(0)
     s = _row_sum(part_s, row, SPLITS)
     first = tl.min(tl.load(part_i + row * SPLITS + tl.arange(0, SPLITS)), 0)
+    # no id equals 1 / s only when s is NaN (a NaN or +inf logit, or no finite one): every
+    # probability is then NaN and the reference's argmax gives the first, id 0
+    first = tl.where(first == 2**31 - 1, 0, first)
     tl.store(x0_ptr + row, first.to(tl.int64))
     tl.store(top_ptr + row, _div(1.0, s, CUDA_MATH))
     tl.store(negent_ptr + row, _row_sum(part_h, row, SPLITS))
@@ -203,7 +208,7 @@ def supports(logits: torch.Tensor) -> bool:
 
 def dream_greedy(logits: torch.Tensor, entropy: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``logits [..., V]`` (finite) → ``(x0 [...] int64, p(x0) [...] float32, neg_entropy
+    """``logits [..., V]`` → ``(x0 [...] int64, p(x0) [...] float32, neg_entropy
     [...] float32 or None)`` of the plain float32 softmax, as Dream's greedy rows compute
     them (module docstring); ``entropy=False`` skips the entropy terms."""
     lead = logits.shape[:-1]

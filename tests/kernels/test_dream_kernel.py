@@ -68,8 +68,43 @@ def test_kernel_matches_the_reference_path(vocab):
     exact_top, exact_negent = float64_values(x)
     torch.testing.assert_close(top.double(), exact_top, rtol=1e-6, atol=0)
     torch.testing.assert_close(negent.double(), exact_negent, rtol=1e-6, atol=5e-7)
-    assert top[0, 1].item() == pytest.approx(1 / vocab, rel=1e-6)
+    # the all-tied row's s is V exactly (order-free): p(x0) is float32's 1 / V bit for bit
+    assert top[0, 1] == torch.tensor(1.0) / torch.tensor(float(vocab))
     assert -1e-6 < negent[0, 0].item() <= 0
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's inf - inf
+def test_rows_without_a_finite_softmax_give_id_0_and_nan():
+    """A NaN or +inf logit, or no finite one: every reference probability is NaN, its argmax
+    the first (id 0); never an id outside the vocabulary."""
+    from dllm.runner.kernels import dream_kernel
+
+    x = logits_case(DREAM_V, DEV)[:1].clone()
+    x[0, 0, 1234] = float("nan")
+    x[0, 1, 777] = float("inf")
+    x[0, 2] = float("-inf")
+    x0, top, negent = dream_kernel.dream_greedy(x, entropy=True)
+    ref_x0, ref_top, ref_negent = reference(x)
+    assert torch.equal(x0, ref_x0) and x0[0, :3].tolist() == [0, 0, 0]
+    assert top[0, :3].isnan().all() and negent[0, :3].isnan().all()
+    assert ref_top[0, :3].isnan().all() and ref_negent[0, :3].isnan().all()
+    assert torch.isfinite(top[0, 3]) and x0[0, 3] == ref_x0[0, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_rows_and_other_dtypes(dtype):
+    from dllm.runner.kernels import dream_kernel
+
+    vocab = 5000
+    g = torch.Generator(device=DEV).manual_seed(3)
+    wide = (torch.randn(2, 3, vocab + 37, generator=g, device=DEV) * 3).to(dtype)
+    x = wide[..., :vocab]  # a row stride of vocab + 37
+    assert dream_kernel.supports(x) and not x.is_contiguous()
+    x0, top, negent = dream_kernel.dream_greedy(x, entropy=True)
+    ref_x0, ref_top, ref_negent = reference(x.contiguous())
+    assert torch.equal(x0, ref_x0)
+    torch.testing.assert_close(top, ref_top, rtol=1e-5, atol=0)
+    torch.testing.assert_close(negent, ref_negent, rtol=1e-5, atol=5e-7)
 
 
 def test_rows_are_independent_of_the_batch_and_entropy_is_optional():
@@ -131,12 +166,12 @@ def test_dream_algorithms_take_the_kernel_on_cuda(name, config):
 
 def test_schedule_kernel_equals_the_torch_schedule_bit_for_bit():
     """``dream_schedule`` against ``transfer_fraction``'s torch path for every step of every
-    schedule up to 96 steps (and past each schedule's end)."""
+    schedule up to 96 steps and a few long ones (and past each schedule's end)."""
     from dllm.runner.kernels import dream_kernel
 
-    pairs = [(i, n) for n in range(1, 97) for i in range(n + 2)]
+    pairs = [(i, n) for n in [*range(1, 97), 255, 256, 1000, 1024] for i in range(n + 2)]
     step = torch.tensor([i for i, _ in pairs])
-    steps = torch.tensor([n for _, n in pairs])
+    steps = torch.tensor([n for _, n in pairs], dtype=torch.int32)  # either int width loads
 
     bs = len(pairs)
     tokens = torch.zeros(bs, 1, dtype=torch.int64)
