@@ -104,12 +104,20 @@ def sampling_flags(row_inputs: dict[str, list]) -> tuple[bool, bool, bool]:
 GRAPH_FLAGS = ((False, False, False), (True, True, True))
 
 
+GREEDY_FILTERED = (False, False, True)
+
+
 def graph_flags(row_inputs: dict[str, list]) -> tuple[bool, bool, bool]:
     """The sampling flags a captured graph is keyed by: a greedy batch replays a graph
     without the sampling work; any sampling row takes the general graph (exact for every
-    row). Two graphs per shape, instead of one per ``sampling_flags`` value."""
-    greedy = all(t == 0 for t in row_inputs["temperature"])
-    return GRAPH_FLAGS[0] if greedy else GRAPH_FLAGS[1]
+    row). Two graphs per shape (``GRAPH_FLAGS``, captured at start), instead of one per
+    ``sampling_flags`` value, and a third for a greedy batch in which some row sets top-k or
+    top-p (``GREEDY_FILTERED``, captured on first use): Dream's distribution filters greedy
+    rows too, which the plain greedy graph skips."""
+    may_sample, _, may_filter_any = sampling_flags(row_inputs)
+    if may_sample:
+        return GRAPH_FLAGS[1]
+    return GREEDY_FILTERED if may_filter_any else GRAPH_FLAGS[0]
 
 
 def config_rows(reqs: list[Req]) -> dict[str, list]:

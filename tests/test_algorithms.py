@@ -14,6 +14,7 @@ from dllm.algorithms import ALGORITHMS, KNOWN_KEYS, get_algorithm
 from dllm.algorithms.base import DenoiseInput, DenoiseOutput, SamplingTensors
 from dllm.algorithms.dream import dream_timestep
 from dllm.algorithms.selection import llada_quota
+from dllm.denoise import GRAPH_FLAGS, graph_flags, sampling_flags
 
 V = 10
 M = 9  # mask id; tokens 0..8 are real
@@ -63,6 +64,7 @@ def run(
     top_p: float | list[float] = 1.0,
     seed: int | list[int] = 0,
     positions: torch.Tensor | None = None,
+    flags: tuple[bool, bool, bool] = (True, True, True),
 ) -> DenoiseOutput:
     algo = get_algorithm(name)
     tokens = torch.as_tensor(tokens, dtype=torch.int64)
@@ -89,6 +91,7 @@ def run(
             top_k=row(top_k, torch.int64),
             top_p=row(top_p, torch.float32),
             seed=row(seed, torch.int64),
+            may_sample=flags[0], may_filter=flags[1], may_filter_any=flags[2],
         ),
         config=algo.stack_configs([algo.validate(c, block) for c in configs], "cpu"),
         state=algo.init_state(bs, "cpu") if state is None else state,
@@ -686,6 +689,34 @@ def test_dream_ranking_signals_differ():
     assert filled(run("maskgit_plus", logits, [[M] * 4], config=one)) == [0]
     assert filled(run("topk_margin", logits, [[M] * 4], config=one)) == [1]
     assert filled(run("entropy", logits, [[M] * 4], config=one)) == [0]
+
+
+def test_graph_flags_keep_dream_filters_on_greedy_rows():
+    """A greedy batch whose row sets top-p replays a graph keyed by flags that still filter:
+    Dream's top-p applies at temperature 0 (the truncated distribution's entropy ranks)."""
+    # b: 0.7 on token 3, the rest over the eight other real tokens; a: 0.6 / 0.4
+    b = torch.full((V,), math.log(0.3 / 8))
+    b[3], b[M] = math.log(0.7), NEG
+    a = torch.full((V,), NEG)
+    a[0], a[1] = math.log(0.6), math.log(0.4)
+    c = torch.zeros(V)  # uniform over the nine real tokens: last by every signal
+    c[M] = NEG
+    logits = logits_of([[b, a, c, c]])
+    one = {"steps": 2}  # one position this step
+    rows = {"temperature": [0.0], "top_k": [0], "top_p": [0.5]}
+    flags = graph_flags(rows)
+    assert flags == sampling_flags(rows) == (False, False, True)
+    exact = run("entropy", logits, [[M] * 4], config=one, top_p=0.5)
+    keyed = run("entropy", logits, [[M] * 4], config=one, top_p=0.5, flags=flags)
+    # top-p 0.5 leaves b and a one token each: entropy 0, the tie to the lower position
+    assert filled(exact) == filled(keyed) == [0]
+    # the plain greedy graph skips the filter (a wins on its unfiltered entropy): the key
+    # this batch must not take
+    assert filled(run("entropy", logits, [[M] * 4], config=one, top_p=0.5,
+                      flags=GRAPH_FLAGS[0])) == [1]
+    assert graph_flags({"temperature": [0.0], "top_k": [0], "top_p": [1.0]}) == GRAPH_FLAGS[0]
+    assert graph_flags({"temperature": [0.7, 0.0], "top_k": [0, 5], "top_p": [1.0, 1.0]}
+                       ) == GRAPH_FLAGS[1]
 
 
 def test_dream_alg_temp_draws_positions():
