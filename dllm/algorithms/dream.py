@@ -47,7 +47,7 @@ read by ``origin``); ``confidence_threshold`` reads ``steps`` and ``threshold``.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -188,6 +188,18 @@ def _greedy_kernel(x: DenoiseInput, entropy: bool
     return kernel.dream_greedy(logits, entropy)
 
 
+def _propose_ranked(x: DenoiseInput, fused: str | None,
+                    confidence: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """``(x0, confidence)``: the greedy kernel's proposal and its ``fused`` output (``"top"``,
+    the proposal's probability, or ``"entropy"``) where the kernel applies, else (and for
+    ``fused`` None) the reference path's proposal and ``confidence(probs, x0)``."""
+    if fused and (out := _greedy_kernel(x, fused == "entropy")) is not None:
+        x0, top, negent = out
+        return x0, negent if fused == "entropy" else top
+    probs, x0 = _propose(x)
+    return x0, confidence(probs, x0)
+
+
 class DreamOrigin(_Scheduled):
     """Dream ``alg="origin"``: independent per-position transfers (module docstring), the
     per-position coin a counter-RNG uniform; a step may transfer nothing."""
@@ -201,14 +213,8 @@ class DreamOrigin(_Scheduled):
         p = torch.where(last, 1.0, fraction)
         u = position_uniform(x.sampling.seed, x.step, x.positions, Stream.POSITION)
         transfer = masked & (u < p[:, None])
-        if (fused := _greedy_kernel(x, entropy=False)) is not None:
-            x0, top, _ = fused
-            out = finish(x, x0, transfer, masked, confidence=top)
-            out.done = schedule_over(x)
-            return out
-        probs, x0 = _propose(x)
-        out = finish(x, x0, transfer, masked,  # the score is computed only if reported
-                     confidence=lambda: probs.gather(-1, x0[..., None]).squeeze(-1))
+        x0, top = _propose_ranked(x, "top", vocab_parallel.prob_of)
+        out = finish(x, x0, transfer, masked, confidence=top)
         out.done = schedule_over(x)
         return out
 
@@ -224,13 +230,6 @@ class _DreamRanked(_Scheduled):
         """Dream's confidence of each position, ``[bs, B]`` float32."""
         raise NotImplementedError
 
-    def _propose_and_rank(self, x: DenoiseInput) -> tuple[Tensor, Tensor]:
-        if self.fused and (out := _greedy_kernel(x, self.fused == "entropy")) is not None:
-            x0, top, negent = out
-            return x0, negent if self.fused == "entropy" else top
-        probs, x0 = _propose(x)
-        return x0, self.confidence(probs, x0)
-
     def step(self, x: DenoiseInput) -> DenoiseOutput:
         masked = masked_positions(x)
         num_masked = masked.sum(dim=-1)
@@ -238,7 +237,7 @@ class _DreamRanked(_Scheduled):
         count = (num_masked.to(torch.float32) * fraction).to(torch.int64)
         count = torch.where(last, num_masked, count)
 
-        x0, confidence = self._propose_and_rank(x)
+        x0, confidence = _propose_ranked(x, self.fused, self.confidence)
         alg_temp = x.config["alg_temp"]
         sampled = alg_temp > 0
         gumbel = gumbel_from_uniform(
@@ -313,11 +312,7 @@ class DreamConfidenceThreshold(UnmaskingAlgorithm):
         steps = x.config["steps"] + x.state["extra_steps"]
         base = x.num_initial_masks // x.config["steps"].clamp(min=1)
         quota = torch.where(x.state["extra_steps"] > 0, 0, base) + x.state["carry"]
-        if (fused := _greedy_kernel(x, entropy=False)) is not None:
-            x0, confidence, _ = fused
-        else:
-            probs, x0 = _propose(x)
-            confidence = vocab_parallel.prob_of(probs, x0)
+        x0, confidence = _propose_ranked(x, "top", vocab_parallel.prob_of)
         rank = rank_positions(confidence, masked)
         chosen = (rank < quota[:, None]) & masked
         rejected = chosen & (rank > 0) & (confidence < x.config["threshold"][:, None])
