@@ -292,6 +292,55 @@ def test_cuda_graph_equals_eager_full_attention(full_gpu, family, mode, overlap)
     graph.engine.check_memory()
 
 
+@pytest.mark.parametrize("mode", ["exact", "prefix"])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_cuda_graph_equals_eager_wide_attention_tile(full_gpu, family, mode, monkeypatch):
+    """The attention plan's wide tile (64-row query chunks, one split: the real models' prefix
+    windows and whole canvas), made to apply at the tiny models' sizes: graph replays equal
+    eager steps token for token."""
+    from dllm.runner.kernels import triton_extend as te
+
+    monkeypatch.setattr(te, "WIDE_MIN_PROGRAMS", 1)
+    canvas = len(prompts(3)[2]) + 64
+    heads = 2  # both tiny models: 2 query heads; LLaDA 2 KV heads, Dream 1
+    kv = 2 if family == "llada" else 1
+    assert te.plan(1, kv, canvas * heads // kv, 128, 132) == (1, te.WIDE_TILE)
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=4)
+    steps = {"algorithm": "entropy" if family == "dream" else "low_confidence_static",
+             "steps": 64, "block_size": 16, "cache_mode": mode}
+    params = [SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i,
+                             temperature=0.7 * (i % 2), dllm=steps) for i in range(3)]
+    batch = [prompts(3)[2]] * 3
+    graph = LLM(full_gpu[family], **kw)
+    got = [o.token_ids for o in graph.generate(batch, params)]
+    assert graph.engine.runner.runners[0].last_replayed is not None
+    eager = LLM(full_gpu[family], disable_cuda_graph=True, **kw)
+    assert got == [o.token_ids for o in eager.generate(batch, params)]
+    graph.engine.check_memory()
+
+
+@pytest.mark.parametrize("mode", ["exact", "dual"])
+def test_cuda_graph_greedy_filtered_dream(full_gpu, mode):
+    """An all-greedy Dream batch in which one row sets top-p replays the GREEDY_FILTERED graph
+    (Dream filters greedy rows too), equal to the eager steps token for token."""
+    from dllm.denoise import GREEDY_FILTERED
+
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=8)
+    steps = {"algorithm": "entropy", "steps": 16, "block_size": 8, "cache_mode": mode}
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, seed=i, temperature=0.0,
+                             top_p=0.5 if i == 1 else 1.0, dllm=steps) for i in range(3)]
+    batch = [prompts(3)[2]] * 3
+    graph = LLM(full_gpu["dream"], **kw)
+    runner = graph.engine.runner.runners[0]
+    got = [o.token_ids for o in graph.generate(batch, params)]
+    assert any(key[1] == GREEDY_FILTERED for _, _, key in runner.graphs)
+    eager = LLM(full_gpu["dream"], disable_cuda_graph=True, **kw)
+    assert got == [o.token_ids for o in eager.generate(batch, params)]
+    graph.engine.check_memory()
+
+
 def test_cuda_graph_equals_eager_decode(tmp_path):
     path = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path, seed=0, hidden_size=256,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=128))

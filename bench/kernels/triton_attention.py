@@ -7,6 +7,9 @@ KV pool of shuffled pages.
     python bench/kernels/triton_attention.py --rows 1,8,32,128 --keys 330 [--sweep]
     python bench/kernels/triton_attention.py --models llada-8b,dream-7b --rows 1 --keys 384 \
         --jitter 0 --splits 1,4,8 --sweep --sweep-rows 1 --sweep-splits 4,8,16
+    python bench/kernels/triton_attention.py --models llada-8b,dream-7b --rows 1 --keys 384 \
+        --jitter 0 --blocks 128,384 --sweep --sweep-rows 1 --sweep-space large \
+        --sweep-splits 1,2,4
 
 Each form is checked against a float32 reference first. ``µs``: the median of single calls
 each after a read of 256 MB (L2 holds other, clean data: the KV comes from HBM, as in a step
@@ -30,9 +33,13 @@ from pathlib import Path
 import torch
 
 from dllm.runner.kernels.triton_extend import (
+    MAX_PLAN_SPLITS,
     default_config,
     dllm_extend_attention,
+    launch_config,
+    plan,
     reference,
+    splits_for,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
@@ -60,6 +67,12 @@ SWEEP += [dict(BLOCK_N=128, num_warps=w, num_stages=s, PREFETCH=p, KV_FIRST=f)
 # too, up to the block's own (B·G rows), with fewer of the other knobs.
 SPLIT_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=s, PREFETCH=p, KV_FIRST=False)
                for m in (16, 32, 64, 128) for n in (32, 64) for s in (2, 3) for p in (0, 1)]
+# With --sweep-space large (query tiles of hundreds of rows: prefix windows, the whole canvas):
+# flash-attention-like tiles, 8 warps for the 128-row ones, at each of --sweep-splits.
+LARGE_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, PREFETCH=1, KV_FIRST=False)
+               for m, n, w, s in ((64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+                                  (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3),
+                                  (128, 64, 8, 2), (128, 128, 8, 2))]
 
 
 def build(rows: int, keys: int, jitter: float, h: int, hkv: int, d: int, block: int,
@@ -182,6 +195,16 @@ def main() -> int:
     ap.add_argument("--sweep-splits", default="1",
                     help="comma list of key-split counts the sweep runs each config at (other "
                          "than 1: the query tile's height swept too, fewer of the rest)")
+    ap.add_argument("--sweep-space", choices=("auto", "large"), default="auto",
+                    help="auto: SWEEP with one split, else SPLIT_SWEEP; large: LARGE_SWEEP "
+                         "(tiles for hundreds of query rows) at each of --sweep-splits")
+    ap.add_argument("--blocks", default="",
+                    help="comma list of query tokens a row, instead of the model's block "
+                         "(the full-attention models' prefix windows and whole canvas)")
+    ap.add_argument("--plans", action="store_true",
+                    help="also time the attention backend's launch plan (triton_extend.plan) "
+                         "and the plan before session 20 (splits_for by the rows alone, "
+                         "launch_config's tile)")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--splits", default="",
                     help="comma list of key-split counts to time the default config at (the "
@@ -204,14 +227,17 @@ def main() -> int:
     def bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
-    for model in args.models.split(","):
-        h, hkv, d, block = MODELS[model]
+    cases = [(model, block) for model in args.models.split(",")
+             for block in ([int(b) for b in args.blocks.split(",")] if args.blocks
+                           else [MODELS[model][3]])]
+    for model, block in cases:
+        h, hkv, d, _ = MODELS[model]
         scale = d**-0.5
         for rows in map(int, args.rows.split(",")):
             b = build(rows, args.keys, args.jitter, h, hkv, d, block, seed=rows)
             call = (b["q"], b["k"], b["v"], b["table"], b["req"], b["seq"], block, scale)
             ref = reference(*call)
-            base = dict(model=model, rows=rows, mean_keys=float(b["seq_cpu"].float().mean()),
+            base = dict(model=model, rows=rows, block=block, mean_keys=float(b["seq_cpu"].float().mean()),
                         kv_mb=b["kv_bytes"] / 1e6, floor_us=b["kv_bytes"] / bw * 1e6)
 
             # Copies of the KV pool, > 400 MB in all: in a graph of calls taking turns among
@@ -249,6 +275,23 @@ def main() -> int:
                              graph=True, kv_fn=lambda k, v, q=b["q"], rest=rest, out=out:
                              dllm_extend_attention(q, k, v, *rest, out=out))
             record("triton (default)", t, out, dict(extra, config=cfg))
+            if args.plans:
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                m = block * h // hkv
+                split = min(splits_for(rows, hkv, sms), MAX_PLAN_SPLITS)
+                for name, (n, c) in (("plan", plan(rows, hkv, m, d, sms)),
+                                     ("split plan", (split, launch_config(rows, hkv, m, d, split,
+                                                                         sms)))):
+                    o = torch.full_like(b["q"], float("nan"))
+                    def fn(call=call, o=o, n=n, c=c):
+                        return dllm_extend_attention(*call, out=o, num_splits=n, config=c)
+
+                    fn()
+                    t, extra = timed(fn, graph=True, kv_fn=lambda k, v, q=b["q"], rest=rest,
+                                     o=o, n=n, c=c: dllm_extend_attention(
+                                         q, k, v, *rest, out=o, num_splits=n, config=c))
+                    record(f"triton ({name})", t, o,
+                           dict(extra, config={**cfg, **(c or {}), "splits": n}))
             for n in (int(v) for v in filter(None, args.splits.split(","))):
                 for fold in (True, False):
                     o = torch.full_like(b["q"], float("nan"))
@@ -267,14 +310,15 @@ def main() -> int:
             if args.sweep and str(rows) in args.sweep_rows.split(","):
                 best = None
                 splits = [int(n) for n in args.sweep_splits.split(",")]
-                space = SWEEP if splits == [1] else [
-                    c for c in SPLIT_SWEEP
-                    if c["BLOCK_M"] <= max(16, triton.next_power_of_2(block * h // hkv))]
+                space = (LARGE_SWEEP if args.sweep_space == "large"
+                         else SWEEP if splits == [1] else SPLIT_SWEEP)
+                space = [c for c in space
+                         if c["BLOCK_M"] <= max(16, triton.next_power_of_2(block * h // hkv))]
                 for c, n in ((c, n) for n in splits for c in space):
                     try:
                         o = torch.full_like(b["q"], float("nan"))
                         dllm_extend_attention(*call, out=o, config=c, num_splits=n)
-                        if splits == [1]:
+                        if splits == [1] and args.sweep_space == "auto":
                             us = bench(lambda call=call, o=o, c=c, n=n: dllm_extend_attention(
                                 *call, out=o, config=c, num_splits=n))
                         else:  # few rows: the launch's latency, timed as a step runs it
@@ -300,12 +344,12 @@ def main() -> int:
             del b, call, ref
             torch.cuda.empty_cache()
 
-    head = ("| model | rows | mean keys | KV MB | impl | µs | GB/s | × KV floor | "
+    head = ("| model | rows | block | mean keys | KV MB | impl | µs | GB/s | × KV floor | "
             "µs, do_bench | graph replay µs | graph over KV copies µs | max err | config |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     shown = [r for r in results if r["impl"] != "triton sweep"]
     md = head + "".join(
-        f"| {r['model']} | {r['rows']} | {r['mean_keys']:.0f} | {r['kv_mb']:.1f} | {r['impl']} | "
+        f"| {r['model']} | {r['rows']} | {r['block']} | {r['mean_keys']:.0f} | {r['kv_mb']:.1f} | {r['impl']} | "
         f"{r['us']:.1f} | {r['gb_s']:.0f} | {r['us'] / r['floor_us']:.2f} | "
         f"{r.get('zeroed_l2_us', float('nan')):.1f} | "
         f"{r.get('graph_replay_us', float('nan')):.1f} | "

@@ -255,18 +255,19 @@ def variants(out: str, m: int) -> int:
     return 0
 
 
-def chain(out: str, tokens: list[int]) -> int:
+def chain(out: str, tokens: list[int], h: int = 4096, i: int = 12288) -> int:
     """The MLP half of a layer and the attention output before it, as the runtime runs them
     at each token count: cuBLAS with FlashInfer's add + RMSNorm and SiLU kernels, against
     ``dllm.runner.kernels.wide_gemm`` (o_proj and down with the residual step in the epilogue,
     gate/up with the norm's row scale and SiLU-and-mul; q/k/v's norm then a plain RMSNorm of
-    the stream), and that without the down kernel. Layers rotate through 4 weight copies."""
+    the stream), and that without the down kernel. Layers rotate through 4 weight copies.
+    ``h``/``i``: the hidden and intermediate sizes (the 8B shapes; Dream-7B: 3584, 18944)."""
     import flashinfer
 
     from dllm.runner.kernels import wide_gemm as wg
 
     env = environment()
-    dt, h, i = torch.bfloat16, 4096, 12288
+    dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -315,7 +316,7 @@ def chain(out: str, tokens: list[int]) -> int:
             rows.append(dict(tokens=m, form=name, us=us, vs_ref=us / base, err=err))
             print(f"{m:5d} {name:>22}: {us:7.1f} µs a layer, {us / base:.3f}×, err {err:.1e}",
                   flush=True)
-    lines = [f"# o_proj + MLP chain a layer ({env['gpu']}, torch {env['torch']}, triton "
+    lines = [f"# o_proj + MLP chain a layer, hidden {h}, intermediate {i} ({env['gpu']}, torch {env['torch']}, triton "
              f"{env['triton']}, flashinfer {env['flashinfer']})", "",
              f"Median of CUDA-graph replays of {CALLS} layers over {COPIES} weight copies; "
              "err: relative to the cuBLAS chain's output.", "",
@@ -336,6 +337,8 @@ def main() -> int:
     ap.add_argument("--chain", default="",
                     help="comma-separated token counts: time the runtime's o_proj + MLP chain "
                     "(cuBLAS + FlashInfer against dllm.runner.kernels.wide_gemm) instead")
+    ap.add_argument("--dims", default="4096,12288",
+                    help="the chain's hidden,intermediate sizes (Dream-7B: 3584,18944)")
     ap.add_argument("--variants", action="store_true",
                     help="time variants of the runtime's wide kernels at --tokens instead")
     args = ap.parse_args()
@@ -345,7 +348,8 @@ def main() -> int:
     if args.variants:
         return variants(args.out, args.tokens)
     if args.chain:
-        return chain(args.out, [int(t) for t in args.chain.split(",")])
+        h, i = (int(v) for v in args.dims.split(","))
+        return chain(args.out, [int(t) for t in args.chain.split(",")], h, i)
     env = environment()
     dt = torch.bfloat16
     m = args.tokens

@@ -39,9 +39,6 @@ from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode
 from dllm.runner.kernels.hardware import num_sms
 
 WORKSPACE_BYTES = 256 * 2**20
-# Key splits of the Triton ``DLLM_EXTEND`` kernel at small batch: a row of a few hundred keys
-# has only a few chunks of 64 to share out.
-MAX_KV_SPLITS = 4
 
 
 def _whole_blocks(fb: ForwardBatch) -> bool:
@@ -212,14 +209,12 @@ class FlashInferBackend(AttentionBackend):
         wrapper, block = self._planned
         if wrapper is None:  # the Triton kernel: rows of ``block`` tokens (1: decode)
             rows = q.shape[0] // block
-            # Few rows: each row's keys split over several programs (the count from the
-            # number of rows alone, so a captured graph's grid holds for any lengths).
-            splits = min(self.triton_extend.splits_for(rows, layer.num_kv_heads, self.num_sms),
-                         MAX_KV_SPLITS)
-            # ... and under one wave of programs, a 16-row query tile (more programs)
-            tile = self.triton_extend.launch_config(rows, layer.num_kv_heads,
-                                                    block * layer.num_heads // layer.num_kv_heads,
-                                                    layer.head_dim, splits, self.num_sms)
+            # The key splits and query tile from host numbers alone (rows, heads, block), so
+            # a captured graph's grid holds for any lengths: few rows split each row's keys
+            # over several programs; wide query tiles run unsplit in 64-row chunks.
+            splits, tile = self.triton_extend.plan(
+                rows, layer.num_kv_heads, block * layer.num_heads // layer.num_kv_heads,
+                layer.head_dim, self.num_sms)
             return self.triton_extend.dllm_extend_attention(
                 q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices[:rows],
                 fb.seq_lens[:rows], block, layer.scaling, config=tile, num_splits=splits,

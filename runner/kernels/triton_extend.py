@@ -19,8 +19,8 @@ no key chunk and write zeros. The grid is ``(rows, Hkv, M chunks)``, sizes the h
 nothing is read back from the device: the launch can be captured in a CUDA graph. The tile
 config depends only on (M, D) (``default_config``), never on the batch, and a program reads
 only its own row: a row's output is bit-identical whatever batch it runs in. (The attention
-backend picks the split count, below, and for a grid under one wave the query tile from the
-row count, :func:`launch_config`: there a row's bits are the same within one (splits, tile).)
+backend takes the split count and the query tile from :func:`plan`, by the row count, the
+heads and the block: there a row's bits are the same within one (splits, tile).)
 
 The bound (SDAR-8B, 32/8 heads of 128, B = 4, 128 rows of ~330 keys, bf16): each row reads
 its keys' K and V once per KV head, 128 × 330 × 8 × 128 × 2 B × 2 = 173 MB a layer, ≈ 41 µs at
@@ -130,6 +130,41 @@ def launch_config(rows: int, num_kv_heads: int, m: int, head_dim: int, num_split
             and rows * num_kv_heads * triton.cdiv(m, block_m) * num_splits < num_sms):
         return dict(SMALL_GRID)
     return None
+
+
+# The key splits a plan may ask for: a row of a few hundred keys has only a few chunks to share
+# out.
+MAX_PLAN_SPLITS = 4
+# Query tiles of hundreds of rows on a grid of under two waves (a full-attention model's prefix
+# windows and whole canvas, M = window × G; LLaDA2-mini's 128-row blocks at batch 8-32): one
+# program per 64 rows, no split, BLOCK_N 64. Measured on the H200
+# (bench/kernels/triton_attention.py --sweep-space large / --plans; bench/NOTES.md, session
+# 20): at one row of 384 keys 9.4-10.3 µs at windows of 64-256 tokens and 14 µs at 384
+# (LLaDA-8B, Dream-7B), against 34-37 µs for the split default tile at 384; LLaDA2-mini 10.7
+# µs against 20.2 at batch 8, 15.9 against 38.6 at 32, but 62.7 against 51.7 for the default
+# tile at 128 (512 programs of it: the 128-row tile's fewer K/V reads win once the grid is
+# full).
+WIDE_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, PREFETCH=1, KV_FIRST=False)
+WIDE_MIN_PROGRAMS = 24
+
+
+def plan(rows: int, num_kv_heads: int, m: int, head_dim: int,
+         num_sms: int) -> tuple[int, dict | None]:
+    """``(num_splits, config)`` for a launch of ``rows`` rows of an ``m``-row query tile per KV
+    head, from host numbers only (graph-safe: a graph captured for ``rows`` fits any
+    lengths). ``WIDE_TILE`` unsplit where the query tile has at least 64 rows, its 64-row
+    chunks give at least :data:`WIDE_MIN_PROGRAMS` programs and the default tile's unsplit grid
+    stays under two waves of the ``num_sms``. Otherwise :func:`splits_for` over the default
+    tile's programs (rows × M chunks; at most :data:`MAX_PLAN_SPLITS`) and
+    :func:`launch_config`'s tile."""
+    chunks = triton.cdiv(m, default_config(m, head_dim)["BLOCK_M"])
+    programs = rows * num_kv_heads * chunks
+    wide = WIDE_TILE["BLOCK_M"]
+    if (head_dim <= 128 and m >= wide and programs < 2 * num_sms
+            and rows * num_kv_heads * triton.cdiv(m, wide) >= WIDE_MIN_PROGRAMS):
+        return 1, dict(WIDE_TILE)
+    splits = min(splits_for(rows * chunks, num_kv_heads, num_sms), MAX_PLAN_SPLITS)
+    return splits, launch_config(rows, num_kv_heads, m, head_dim, splits, num_sms)
 
 
 if triton is not None:
@@ -491,4 +526,4 @@ def reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 
 
 __all__ = ["SMALL_GRID", "decode_attention", "default_config", "dllm_extend_attention",
-           "launch_config", "reference", "splits_for", "supports"]
+           "launch_config", "plan", "reference", "splits_for", "supports"]

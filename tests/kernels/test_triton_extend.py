@@ -79,6 +79,8 @@ CASES = {
     "b32_g8_two_m_tiles": (32, 32, 4, 128, [32, 99], torch.bfloat16),
     "b4_g4_d64_fp16": (4, 16, 4, 64, [4, 21, 260], torch.float16),
     "b4_g4_d256": (4, 16, 4, 256, [4, 50, 129], torch.bfloat16),
+    # a Dream-shaped prefix window: 672 query rows a KV head (10.5 tiles of 64)
+    "window_b96_g7": (96, 28, 4, 128, [96, 0, 384, 200], torch.bfloat16),
 }
 
 
@@ -215,6 +217,28 @@ def test_triton_extend_configs(name, config):
     dllm_extend_attention(q, *args, out=got, config=config)
     assert not got.isnan().any()
     assert (got.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("name", ["llada2_b32_g4", "b32_g8_two_m_tiles", "window_b96_g7"])
+def test_triton_extend_wide_tile(name):
+    """The launch plan's wide tile (64-row chunks, one split) computes the same function,
+    deterministic and row-independent."""
+    from dllm.runner.kernels.triton_extend import WIDE_TILE, dllm_extend_attention, reference
+
+    block, *_ = CASES[name]
+    q, args, *_ = run_case(name)
+    got = torch.full_like(q, float("nan"))
+    dllm_extend_attention(q, *args, out=got, config=WIDE_TILE)
+    assert not got.isnan().any()
+    assert (got.float() - reference(q, *args)).abs().max().item() < 2e-2
+    again = dllm_extend_attention(q, *args, config=WIDE_TILE)
+    assert torch.equal(got, again)
+    k_buf, v_buf, table, req_rows, seq_lens, _, scale = args
+    for i in range(req_rows.shape[0]):
+        sl = slice(i * block, (i + 1) * block)
+        alone = dllm_extend_attention(q[sl], k_buf, v_buf, table, req_rows[i : i + 1],
+                                      seq_lens[i : i + 1], block, scale, config=WIDE_TILE)
+        assert torch.equal(alone, got[sl])
 
 
 # --- Split-KV (num_splits > 1) -------------------------------------------------------------
@@ -382,6 +406,31 @@ def test_launch_config():
     assert launch_config(1, 8, 16, 128, 4, 132) is None  # the default tile is 16 rows
     assert launch_config(1, 4, 128, 256, 4, 132) is None  # head_dim 256: its own tile
     assert launch_config(1, 4, 128, 128, 4, 16) is None  # a GPU of 16 SMs: a wave
+
+
+def test_plan():
+    """Wide query tiles (prefix windows, the whole canvas) unsplit in 64-row chunks; the
+    rest as splits_for and launch_config say."""
+    from dllm.runner.kernels.triton_extend import (
+        MAX_PLAN_SPLITS,
+        SMALL_GRID,
+        WIDE_TILE,
+        plan,
+    )
+
+    assert plan(1, 4, 384 * 7, 128, 132) == (1, WIDE_TILE)  # Dream-7B's canvas
+    assert plan(1, 32, 384, 128, 132) == (1, WIDE_TILE)  # LLaDA-8B's canvas
+    assert plan(1, 32, 64, 128, 132) == (1, WIDE_TILE)  # 32 programs of 64 rows
+    assert plan(1, 4, 224, 128, 132) == (4, SMALL_GRID)  # Dream's 32-token window: 16
+    assert plan(1, 32, 32, 128, 132) == (4, SMALL_GRID)  # under 64 query rows
+    assert plan(1, 4, 128, 128, 132) == (4, SMALL_GRID)  # LLaDA2-mini's block, 8 programs
+    assert plan(128, 8, 16, 128, 132) == (1, None)  # SDAR-8B at batch 128
+    assert plan(1, 8, 16, 128, 132) == (MAX_PLAN_SPLITS, None)
+    assert plan(1, 4, 384 * 7, 256, 132) == (MAX_PLAN_SPLITS, None)  # head_dim 256
+    assert plan(32, 4, 128, 128, 132) == (1, WIDE_TILE)  # LLaDA2-mini, 128 programs of 128
+    assert plan(128, 4, 128, 128, 132) == (1, None)  # 512 programs: the default tile
+    assert plan(128, 4, 224, 128, 132) == (1, None)  # Dream's window at batch 128: 1024
+    assert plan(64, 4, 224, 128, 132) == (1, None)  # 512 programs, unsplit (M chunks count)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 16])
