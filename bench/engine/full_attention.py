@@ -26,7 +26,8 @@ Columns:
   replay ms`` that of the whole canvas. The prefix cache's later windows (the block and the
   suffix, 64 to 352 tokens here) are compared with the block window's floor there, which
   understates theirs; the last column sums every cached forward's time over the floor of
-  its own window (rows x tokens).
+  its own window (rows x tokens); a second table lists the cached forwards by window width,
+  each against its own floor.
 * Floors, for the forward each column is about: every weight read once at the measured copy
   bandwidth (the input embedding is a lookup: only the rows of the step's tokens), and the
   FLOPs (the projections over every query token, the LM head over the block's tokens only,
@@ -139,11 +140,13 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
 
     # A step's time is the forward launched a step earlier (overlap: it waits for that one).
     cached, refresh, cached_floors = [], [], []
+    by_width: dict[tuple[int, int], list[float]] = {}
     for i in range(1, len(steps)):
         for rows, width in launched[i - 1]:
             (refresh if width == canvas else cached).append(steps[i] * 1e3)
             if width != canvas:
                 cached_floors.append(floor_ms(rows, width))
+                by_width.setdefault((rows, width), []).append(steps[i] * 1e3)
     runner = e.runner.runners[0]
     replay = {}
     for (rows, width, key), g in getattr(runner, "graphs", {}).items():
@@ -172,6 +175,16 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
     row["x_cached_floors"] = (sum(cached) / sum(cached_floors) if cached_floors
                               else float("nan"))
     row["x_canvas_floor"] = row["refresh_step_ms"] / can_floor
+    # the cached forwards by window (prefix: one width a block), each against its own floor
+    row["windows"] = []
+    for (rows, width), ms in sorted(by_width.items()):
+        nbytes, flops = costs(e.model, rows, width, args.block, canvas)
+        floor = max(nbytes / bw, flops / mm) * 1e3
+        row["windows"].append(dict(rows=rows, width=width, forwards=len(ms),
+                                   step_ms=statistics.median(ms), floor_ms=floor,
+                                   weight_floor_ms=nbytes / bw * 1e3,
+                                   compute_floor_ms=flops / mm * 1e3,
+                                   x_floor=statistics.median(ms) / floor))
     del llm, e, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -223,6 +236,18 @@ def table(rows: list[dict]) -> str:
         for r in rows)
 
 
+def window_table(rows: list[dict]) -> str:
+    """The cached forwards of each case by window width: median step against that window's
+    floor (the larger of the weight read and the FLOPs)."""
+    head = ("| model | mode | batch | window tokens | forwards | median step ms | "
+            "weight floor ms | compute floor ms | × floor |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['model']} | {r['mode']} | {r['batch']} | {w['width']} | {w['forwards']} | "
+        f"{w['step_ms']:.2f} | {w['weight_floor_ms']:.2f} | {w['compute_floor_ms']:.2f} | "
+        f"{w['x_floor']:.2f} |\n" for r in rows for w in r.get("windows", []))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="llada-8b,dream-7b")
@@ -268,8 +293,10 @@ def main() -> int:
                         print(table([row]).splitlines()[-1], flush=True)
                         write_report(args.out, "full-attention",
                                      f"# Full-attention diffusion {when}\n\n{json.dumps(env)}"
-                                     f"\n\n{table(rows)}", {"env": env, "rows": rows}, when)
+                                     f"\n\n{table(rows)}\n{window_table(rows)}",
+                                     {"env": env, "rows": rows}, when)
     print(table(rows))
+    print(window_table(rows))
     return 0
 
 
