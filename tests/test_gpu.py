@@ -301,10 +301,14 @@ def test_cuda_graph_equals_eager_wide_attention_tile(full_gpu, family, mode, mon
     from dllm.runner.kernels import triton_extend as te
 
     monkeypatch.setattr(te, "WIDE_MIN_PROGRAMS", 1)
-    canvas = len(prompts(3)[2]) + 64
-    heads = 2  # both tiny models: 2 query heads; LLaDA 2 KV heads, Dream 1
-    kv = 2 if family == "llada" else 1
-    assert te.plan(1, kv, canvas * heads // kv, 128, 132) == (1, te.WIDE_TILE)
+    planned = []
+    real_plan = te.plan
+
+    def recorded(*args):
+        planned.append(real_plan(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(te, "plan", recorded)
     kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
               max_running_requests=4)
     steps = {"algorithm": "entropy" if family == "dream" else "low_confidence_static",
@@ -315,8 +319,13 @@ def test_cuda_graph_equals_eager_wide_attention_tile(full_gpu, family, mode, mon
     graph = LLM(full_gpu[family], **kw)
     got = [o.token_ids for o in graph.generate(batch, params)]
     assert graph.engine.runner.runners[0].last_replayed is not None
+    assert (1, te.WIDE_TILE) in planned  # the wide tile ran (the canvas: 71 tokens)
+    if mode == "prefix":  # and the split plan for the windows under 64 query rows
+        assert any(p != (1, te.WIDE_TILE) for p in planned)
+    planned.clear()
     eager = LLM(full_gpu[family], disable_cuda_graph=True, **kw)
     assert got == [o.token_ids for o in eager.generate(batch, params)]
+    assert (1, te.WIDE_TILE) in planned
     graph.engine.check_memory()
 
 

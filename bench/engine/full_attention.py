@@ -239,11 +239,12 @@ def table(rows: list[dict]) -> str:
 def window_table(rows: list[dict]) -> str:
     """The cached forwards of each case by window width: median step against that window's
     floor (the larger of the weight read and the FLOPs)."""
-    head = ("| model | mode | batch | window tokens | forwards | median step ms | "
+    head = ("| model | mode | batch | rows | window tokens | forwards | median step ms | "
             "weight floor ms | compute floor ms | × floor |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r['model']} | {r['mode']} | {r['batch']} | {w['width']} | {w['forwards']} | "
+        f"| {r['model']} | {r['mode']} | {r['batch']} | {w['rows']} | {w['width']} | "
+        f"{w['forwards']} | "
         f"{w['step_ms']:.2f} | {w['weight_floor_ms']:.2f} | {w['compute_floor_ms']:.2f} | "
         f"{w['x_floor']:.2f} |\n" for r in rows for w in r.get("windows", []))
 

@@ -33,13 +33,11 @@ from pathlib import Path
 import torch
 
 from dllm.runner.kernels.triton_extend import (
-    MAX_PLAN_SPLITS,
     default_config,
     dllm_extend_attention,
     launch_config,
     plan,
     reference,
-    splits_for,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
@@ -203,8 +201,8 @@ def main() -> int:
                          "(the full-attention models' prefix windows and whole canvas)")
     ap.add_argument("--plans", action="store_true",
                     help="also time the attention backend's launch plan (triton_extend.plan) "
-                         "and the plan before session 20 (splits_for by the rows alone, "
-                         "launch_config's tile)")
+                         "and the plan before session 20 (rows x KV heads x splits >= two "
+                         "waves, at most 4 splits; launch_config's tile)")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--splits", default="",
                     help="comma list of key-split counts to time the default config at (the "
@@ -278,7 +276,8 @@ def main() -> int:
             if args.plans:
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 m = block * h // hkv
-                split = min(splits_for(rows, hkv, sms), MAX_PLAN_SPLITS)
+                # before session 20: splits for two waves of rows × KV heads, at most 4
+                split = max(1, min(4, -(-2 * sms // (rows * hkv))))
                 for name, (n, c) in (("plan", plan(rows, hkv, m, d, sms)),
                                      ("split plan", (split, launch_config(rows, hkv, m, d, split,
                                                                          sms)))):
@@ -312,8 +311,8 @@ def main() -> int:
                 splits = [int(n) for n in args.sweep_splits.split(",")]
                 space = (LARGE_SWEEP if args.sweep_space == "large"
                          else SWEEP if splits == [1] else SPLIT_SWEEP)
-                space = [c for c in space
-                         if c["BLOCK_M"] <= max(16, triton.next_power_of_2(block * h // hkv))]
+                space = [c for c in space  # (SWEEP keeps the default tile's BLOCK_M)
+                         if c.get("BLOCK_M", 0) <= max(16, triton.next_power_of_2(block * h // hkv))]
                 for c, n in ((c, n) for n in splits for c in space):
                     try:
                         o = torch.full_like(b["q"], float("nan"))

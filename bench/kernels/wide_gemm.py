@@ -325,7 +325,7 @@ def chain(out: str, tokens: list[int], h: int = 4096, i: int = 12288) -> int:
               f"{r['err']:.1e} |" for r in rows]
     text = "\n".join(lines)
     print(text)
-    print(f"wrote {write_report(out, 'wide-chain', text, dict(env=env, rows=rows))}")
+    print(f"wrote {write_report(out, 'wide-chain', text, dict(env=env, dims=[h, i], rows=rows))}")
     return 1 if any(not r["err"] < 2e-2 for r in rows) else 0
 
 

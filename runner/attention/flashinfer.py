@@ -4,7 +4,9 @@ One plan per forward, reused by every layer:
 - ``DLLM_EXTEND`` where every row is one whole block, and ``DECODE``, where Triton is
   installed: no FlashInfer plan, the project's Triton kernel
   (``dllm.runner.kernels.triton_extend``: q and the output in their natural layout, one
-  program per row and KV head, keys split over several programs at small batch);
+  program per row and KV head, keys split over several programs at small batch, query tiles
+  of 64 rows and more unsplit in 64-row chunks while their grid is under a wave:
+  ``triton_extend.plan``);
 - other ``DLLM_EXTEND`` (a block on top of its cached prefix, the block non-causal inside): paged
   prefill with ``causal=False`` — each query sees every key of ``[0, seq_len)``. A batch with
   enough rows to fill the GPU alone (rows × KV heads ≥ SMs) runs each row as one decode query

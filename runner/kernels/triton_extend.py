@@ -36,7 +36,7 @@ heads, B = 32, M = 128; 86 MB, 11 GFLOP a layer at 128 rows, so also tensor-core
 
 ``decode_attention`` is the same kernel with B = 1 (M = G, padded to 16 rows).
 
-Split-KV (``num_splits`` S > 1, asked for by the caller, e.g. :func:`splits_for` from the row
+Split-KV (``num_splits`` S > 1, asked for by the caller, e.g. :func:`plan` from the row
 count): at small batch rows × Hkv programs leave most SMs idle (batch 1 of SDAR-8B: 8
 programs, ~10 µs walking 4 chunks of 64 keys in series). The grid's last axis then also runs
 over S splits; split s walks the chunks s, s + S, s + 2S, ... of BLOCK_N keys (so the grid
@@ -83,21 +83,30 @@ def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv
             and num_kv_heads > 0 and num_heads % num_kv_heads == 0)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def splits_for(rows: int, num_kv_heads: int, num_sms: int | None = None) -> int:
-    """Key splits for a batch of ``rows`` rows: enough that rows × Hkv × splits ≥ 2 × the SM
-    count (``num_sms``: the device's; None, the reference device's, ``hardware.REFERENCE``),
-    at most :data:`MAX_SPLITS`, 1 once rows × Hkv alone fills the GPU. From host numbers
-    only (never the lengths), so a CUDA graph captured for ``rows`` fits any replayed batch."""
+    """Key splits for ``rows`` × ``num_kv_heads`` programs (a row per query tile): enough that
+    programs × splits ≥ 2 × the SM count (``num_sms``: the device's; None, the reference
+    device's, ``hardware.REFERENCE``), at most :data:`MAX_SPLITS`, 1 once the programs alone
+    fill two waves. From host numbers only (never the lengths), so a CUDA graph captured for
+    ``rows`` fits any replayed batch."""
     if num_sms is None:
         num_sms = hardware.num_sms(None)
     programs = max(rows, 1) * max(num_kv_heads, 1)
-    return max(1, min(MAX_SPLITS, -(-2 * num_sms // programs)))
+    return max(1, min(MAX_SPLITS, _cdiv(2 * num_sms, programs)))
 
 
 def default_config(m: int, head_dim: int) -> dict:
     """Tile config from the query tile and head size alone (never from the batch): the same
     row gives the same bits in any batch."""
-    block_m = min(max(16, triton.next_power_of_2(m)), MAX_BLOCK_M)
+    block_m = min(max(16, _next_power_of_2(m)), MAX_BLOCK_M)
     common = dict(PREFETCH=0, KV_FIRST=False)
     if head_dim >= 256:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=8 if block_m >= 64 else 4,
@@ -127,7 +136,7 @@ def launch_config(rows: int, num_kv_heads: int, m: int, head_dim: int, num_split
     row count."""
     block_m = default_config(m, head_dim)["BLOCK_M"]
     if (num_splits > 1 and head_dim <= 128 and block_m > 16
-            and rows * num_kv_heads * triton.cdiv(m, block_m) * num_splits < num_sms):
+            and rows * num_kv_heads * _cdiv(m, block_m) * num_splits < num_sms):
         return dict(SMALL_GRID)
     return None
 
@@ -135,15 +144,16 @@ def launch_config(rows: int, num_kv_heads: int, m: int, head_dim: int, num_split
 # The key splits a plan may ask for: a row of a few hundred keys has only a few chunks to share
 # out.
 MAX_PLAN_SPLITS = 4
-# Query tiles of hundreds of rows on a grid of under two waves (a full-attention model's prefix
-# windows and whole canvas, M = window × G; LLaDA2-mini's 128-row blocks at batch 8-32): one
-# program per 64 rows, no split, BLOCK_N 64. Measured on the H200
-# (bench/kernels/triton_attention.py --sweep-space large / --plans; bench/NOTES.md, session
-# 20): at one row of 384 keys 9.4-10.3 µs at windows of 64-256 tokens and 14 µs at 384
-# (LLaDA-8B, Dream-7B), against 34-37 µs for the split default tile at 384; LLaDA2-mini 10.7
-# µs against 20.2 at batch 8, 15.9 against 38.6 at 32, but 62.7 against 51.7 for the default
-# tile at 128 (512 programs of it: the 128-row tile's fewer K/V reads win once the grid is
-# full).
+# Query tiles of 64 rows and more (a full-attention model's prefix windows and whole canvas,
+# M = window × G; LLaDA2-mini's 128-row blocks): on a grid of under one wave at the default
+# tile, one program per 64 rows, no split, BLOCK_N 64; between one and two waves, the default
+# tile unsplit. Measured on the H200 (bench/kernels/triton_attention.py --sweep-space large /
+# --plans, graph over KV copies; bench/NOTES.md, session 20): at one row of 384 keys 9.4-10.3
+# µs at windows of 64-256 tokens and 14 µs at 384 (LLaDA-8B, Dream-7B), against 34-37 µs for
+# the split default tile at 384; LLaDA2-mini 10.7 µs against 20.2 (4 splits) at batch 8, 15.5
+# against 38.7 (3 splits) at 32; at 64 rows (256 programs of the default tile) 27.9 µs for the
+# default tile unsplit, 33.2 for the wide tile, 47.1 with 2 splits; at 128 rows the default
+# tile 51.7 against 62.7 for the wide one.
 WIDE_TILE = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, PREFETCH=1, KV_FIRST=False)
 WIDE_MIN_PROGRAMS = 24
 
@@ -152,17 +162,20 @@ def plan(rows: int, num_kv_heads: int, m: int, head_dim: int,
          num_sms: int) -> tuple[int, dict | None]:
     """``(num_splits, config)`` for a launch of ``rows`` rows of an ``m``-row query tile per KV
     head, from host numbers only (graph-safe: a graph captured for ``rows`` fits any
-    lengths). ``WIDE_TILE`` unsplit where the query tile has at least 64 rows, its 64-row
-    chunks give at least :data:`WIDE_MIN_PROGRAMS` programs and the default tile's unsplit grid
-    stays under two waves of the ``num_sms``. Otherwise :func:`splits_for` over the default
-    tile's programs (rows × M chunks; at most :data:`MAX_PLAN_SPLITS`) and
-    :func:`launch_config`'s tile."""
-    chunks = triton.cdiv(m, default_config(m, head_dim)["BLOCK_M"])
+    lengths). Where the query tile has at least 64 rows (head_dim <= 128) and its 64-row
+    chunks give at least :data:`WIDE_MIN_PROGRAMS` programs: ``WIDE_TILE`` unsplit while the
+    default tile's unsplit grid stays under one wave of the ``num_sms``, the default tile
+    unsplit under two. Otherwise :func:`splits_for` over the default tile's programs (rows × M
+    chunks; at most :data:`MAX_PLAN_SPLITS`) and :func:`launch_config`'s tile."""
+    chunks = _cdiv(m, default_config(m, head_dim)["BLOCK_M"])
     programs = rows * num_kv_heads * chunks
     wide = WIDE_TILE["BLOCK_M"]
-    if (head_dim <= 128 and m >= wide and programs < 2 * num_sms
-            and rows * num_kv_heads * triton.cdiv(m, wide) >= WIDE_MIN_PROGRAMS):
-        return 1, dict(WIDE_TILE)
+    if (head_dim <= 128 and m >= wide
+            and rows * num_kv_heads * _cdiv(m, wide) >= WIDE_MIN_PROGRAMS):
+        if programs < num_sms:
+            return 1, dict(WIDE_TILE)
+        if programs < 2 * num_sms:
+            return 1, None
     splits = min(splits_for(rows * chunks, num_kv_heads, num_sms), MAX_PLAN_SPLITS)
     return splits, launch_config(rows, num_kv_heads, m, head_dim, splits, num_sms)
 
@@ -413,7 +426,7 @@ def dllm_extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     ``[0, seq_lens[r])`` of table row ``req_pool_indices[r]``, all of them (non-causal).
     Returns ``out`` (allocated ``[T, H, D]`` like ``q`` when None). ``config`` overrides
     keys of the tile config ``default_config(B·G, D)`` (BLOCK_M, BLOCK_N, num_warps,
-    num_stages, PREFETCH, KV_FIRST): a caller's launch plan (:func:`launch_config`) or a
+    num_stages, PREFETCH, KV_FIRST): a caller's launch plan (:func:`plan`) or a
     benchmark's variant. A row's bits are the same in any batch launched with the same
     ``num_splits`` and ``config``.
 

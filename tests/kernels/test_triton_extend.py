@@ -378,61 +378,6 @@ def test_triton_extend_split_cuda_graph():
     assert torch.equal(static_out, dllm_extend_attention(q, *args, num_splits=4))
 
 
-def test_splits_for():
-    from dllm.runner.kernels.triton_extend import MAX_SPLITS, splits_for
-
-    assert splits_for(1, 8) == MAX_SPLITS  # 8 programs: 264 / 8 = 33, capped
-    assert splits_for(4, 8) == 9  # 32 programs -> 288 >= 264
-    assert splits_for(16, 8) == 3
-    assert splits_for(33, 8) == 1  # 264 programs already
-    assert splits_for(128, 8) == 1
-    assert splits_for(2, 4, num_sms=16) == 4
-    for rows in range(1, 200):
-        s = splits_for(rows, 8)
-        assert 1 <= s <= MAX_SPLITS
-        assert s == MAX_SPLITS or rows * 8 * s >= 2 * 132
-
-
-def test_launch_config():
-    """The 16-row query tile only for a split launch under one wave at the default tile."""
-    from dllm.runner.kernels.triton_extend import SMALL_GRID, launch_config
-
-    # one row: LLaDA-8B (32 KV heads, 32 rows), Dream-7B (4, 224), LLaDA2-mini (4, 128)
-    assert launch_config(1, 32, 32, 128, 4, 132) == SMALL_GRID
-    assert launch_config(1, 4, 224, 128, 4, 132) == SMALL_GRID
-    assert launch_config(1, 4, 128, 128, 4, 132) == SMALL_GRID
-    assert launch_config(2, 32, 32, 128, 4, 132) is None  # 256 programs already
-    assert launch_config(1, 4, 128, 128, 1, 132) is None  # no split: the default tile
-    assert launch_config(1, 8, 16, 128, 4, 132) is None  # the default tile is 16 rows
-    assert launch_config(1, 4, 128, 256, 4, 132) is None  # head_dim 256: its own tile
-    assert launch_config(1, 4, 128, 128, 4, 16) is None  # a GPU of 16 SMs: a wave
-
-
-def test_plan():
-    """Wide query tiles (prefix windows, the whole canvas) unsplit in 64-row chunks; the
-    rest as splits_for and launch_config say."""
-    from dllm.runner.kernels.triton_extend import (
-        MAX_PLAN_SPLITS,
-        SMALL_GRID,
-        WIDE_TILE,
-        plan,
-    )
-
-    assert plan(1, 4, 384 * 7, 128, 132) == (1, WIDE_TILE)  # Dream-7B's canvas
-    assert plan(1, 32, 384, 128, 132) == (1, WIDE_TILE)  # LLaDA-8B's canvas
-    assert plan(1, 32, 64, 128, 132) == (1, WIDE_TILE)  # 32 programs of 64 rows
-    assert plan(1, 4, 224, 128, 132) == (4, SMALL_GRID)  # Dream's 32-token window: 16
-    assert plan(1, 32, 32, 128, 132) == (4, SMALL_GRID)  # under 64 query rows
-    assert plan(1, 4, 128, 128, 132) == (4, SMALL_GRID)  # LLaDA2-mini's block, 8 programs
-    assert plan(128, 8, 16, 128, 132) == (1, None)  # SDAR-8B at batch 128
-    assert plan(1, 8, 16, 128, 132) == (MAX_PLAN_SPLITS, None)
-    assert plan(1, 4, 384 * 7, 256, 132) == (MAX_PLAN_SPLITS, None)  # head_dim 256
-    assert plan(32, 4, 128, 128, 132) == (1, WIDE_TILE)  # LLaDA2-mini, 128 programs of 128
-    assert plan(128, 4, 128, 128, 132) == (1, None)  # 512 programs: the default tile
-    assert plan(128, 4, 224, 128, 132) == (1, None)  # Dream's window at batch 128: 1024
-    assert plan(64, 4, 224, 128, 132) == (1, None)  # 512 programs, unsplit (M chunks count)
-
-
 @pytest.mark.parametrize("num_splits", [2, 4, 16])
 @pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4", "decode_b1_g4",
                                   "b32_g8_two_m_tiles"])
