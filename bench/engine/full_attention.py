@@ -134,19 +134,25 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
                         args.profile_top)
     bw, mm = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
 
-    def floor_ms(rows: int, width: int, model: torch.nn.Module = e.model) -> float:
-        nbytes, flops = costs(model, rows, width, args.block, canvas)
-        return max(nbytes / bw, flops / mm) * 1e3
-
     # A step's time is the forward launched a step earlier (overlap: it waits for that one).
-    cached, refresh, cached_floors = [], [], []
+    # The cached forwards by window (rows, tokens): prefix's shrink block by block.
+    cached, refresh = [], []
     by_width: dict[tuple[int, int], list[float]] = {}
     for i in range(1, len(steps)):
         for rows, width in launched[i - 1]:
             (refresh if width == canvas else cached).append(steps[i] * 1e3)
             if width != canvas:
-                cached_floors.append(floor_ms(rows, width))
                 by_width.setdefault((rows, width), []).append(steps[i] * 1e3)
+    windows = []
+    for (rows, width), ms in sorted(by_width.items()):
+        nbytes, flops = costs(e.model, rows, width, args.block, canvas)
+        floor = max(nbytes / bw, flops / mm) * 1e3
+        windows.append(dict(rows=rows, width=width, forwards=len(ms),
+                            step_ms=statistics.median(ms), floor_ms=floor,
+                            weight_floor_ms=nbytes / bw * 1e3,
+                            compute_floor_ms=flops / mm * 1e3,
+                            x_floor=statistics.median(ms) / floor))
+    cached_floors = [w["floor_ms"] for w in windows for _ in range(w["forwards"])]
     runner = e.runner.runners[0]
     replay = {}
     for (rows, width, key), g in getattr(runner, "graphs", {}).items():
@@ -167,7 +173,7 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
                canvas_replay_ms=replay.get(canvas, float("nan")),
                window_floor_ms=win_floor, window_weight_floor_ms=win_bytes / bw * 1e3,
                canvas_floor_ms=can_floor, canvas_compute_floor_ms=can_flops / mm * 1e3,
-               graphs=len(getattr(runner, "graphs", {})))
+               graphs=len(getattr(runner, "graphs", {})), windows=windows)
     row["x_window_floor"] = row["cached_step_ms"] / win_floor
     # every cached forward against the floor of its own window (prefix: the block and the
     # suffix, shrinking block by block; dual: the block), summed over the request
@@ -175,16 +181,6 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
     row["x_cached_floors"] = (sum(cached) / sum(cached_floors) if cached_floors
                               else float("nan"))
     row["x_canvas_floor"] = row["refresh_step_ms"] / can_floor
-    # the cached forwards by window (prefix: one width a block), each against its own floor
-    row["windows"] = []
-    for (rows, width), ms in sorted(by_width.items()):
-        nbytes, flops = costs(e.model, rows, width, args.block, canvas)
-        floor = max(nbytes / bw, flops / mm) * 1e3
-        row["windows"].append(dict(rows=rows, width=width, forwards=len(ms),
-                                   step_ms=statistics.median(ms), floor_ms=floor,
-                                   weight_floor_ms=nbytes / bw * 1e3,
-                                   compute_floor_ms=flops / mm * 1e3,
-                                   x_floor=statistics.median(ms) / floor))
     del llm, e, runner
     gc.collect()
     torch.cuda.empty_cache()

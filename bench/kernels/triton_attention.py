@@ -235,7 +235,8 @@ def main() -> int:
             b = build(rows, args.keys, args.jitter, h, hkv, d, block, seed=rows)
             call = (b["q"], b["k"], b["v"], b["table"], b["req"], b["seq"], block, scale)
             ref = reference(*call)
-            base = dict(model=model, rows=rows, block=block, mean_keys=float(b["seq_cpu"].float().mean()),
+            base = dict(model=model, rows=rows, block=block,
+                        mean_keys=float(b["seq_cpu"].float().mean()),
                         kv_mb=b["kv_bytes"] / 1e6, floor_us=b["kv_bytes"] / bw * 1e6)
 
             # Copies of the KV pool, > 400 MB in all: in a graph of calls taking turns among
@@ -311,8 +312,9 @@ def main() -> int:
                 splits = [int(n) for n in args.sweep_splits.split(",")]
                 space = (LARGE_SWEEP if args.sweep_space == "large"
                          else SWEEP if splits == [1] else SPLIT_SWEEP)
-                space = [c for c in space  # (SWEEP keeps the default tile's BLOCK_M)
-                         if c.get("BLOCK_M", 0) <= max(16, triton.next_power_of_2(block * h // hkv))]
+                tallest = max(16, triton.next_power_of_2(block * h // hkv))
+                # (SWEEP's entries keep the default tile's BLOCK_M)
+                space = [c for c in space if c.get("BLOCK_M", 0) <= tallest]
                 for c, n in ((c, n) for n in splits for c in space):
                     try:
                         o = torch.full_like(b["q"], float("nan"))
@@ -348,7 +350,8 @@ def main() -> int:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     shown = [r for r in results if r["impl"] != "triton sweep"]
     md = head + "".join(
-        f"| {r['model']} | {r['rows']} | {r['block']} | {r['mean_keys']:.0f} | {r['kv_mb']:.1f} | {r['impl']} | "
+        f"| {r['model']} | {r['rows']} | {r['block']} | {r['mean_keys']:.0f} | "
+        f"{r['kv_mb']:.1f} | {r['impl']} | "
         f"{r['us']:.1f} | {r['gb_s']:.0f} | {r['us'] / r['floor_us']:.2f} | "
         f"{r.get('zeroed_l2_us', float('nan')):.1f} | "
         f"{r.get('graph_replay_us', float('nan')):.1f} | "

@@ -316,8 +316,9 @@ def chain(out: str, tokens: list[int], h: int = 4096, i: int = 12288) -> int:
             rows.append(dict(tokens=m, form=name, us=us, vs_ref=us / base, err=err))
             print(f"{m:5d} {name:>22}: {us:7.1f} µs a layer, {us / base:.3f}×, err {err:.1e}",
                   flush=True)
-    lines = [f"# o_proj + MLP chain a layer, hidden {h}, intermediate {i} ({env['gpu']}, torch {env['torch']}, triton "
-             f"{env['triton']}, flashinfer {env['flashinfer']})", "",
+    lines = [f"# o_proj + MLP chain a layer, hidden {h}, intermediate {i} ({env['gpu']}, "
+             f"torch {env['torch']}, triton {env['triton']}, flashinfer {env['flashinfer']})",
+             "",
              f"Median of CUDA-graph replays of {CALLS} layers over {COPIES} weight copies; "
              "err: relative to the cuBLAS chain's output.", "",
              "| tokens | form | µs a layer | × cuBLAS chain | err |", "|---|---|---|---|---|"]
@@ -325,7 +326,8 @@ def chain(out: str, tokens: list[int], h: int = 4096, i: int = 12288) -> int:
               f"{r['err']:.1e} |" for r in rows]
     text = "\n".join(lines)
     print(text)
-    print(f"wrote {write_report(out, 'wide-chain', text, dict(env=env, dims=[h, i], rows=rows))}")
+    path = write_report(out, "wide-chain", text, dict(env=env, dims=[h, i], rows=rows))
+    print(f"wrote {path}")
     return 1 if any(not r["err"] < 2e-2 for r in rows) else 0
 
 

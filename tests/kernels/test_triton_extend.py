@@ -119,21 +119,25 @@ def test_triton_extend_equals_sdpa(name):
             assert (out[i * block : (i + 1) * block] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
-def test_triton_extend_deterministic_and_row_independent(name):
+def assert_deterministic_and_row_independent(q, args, out, config=None):
+    """``out`` (a launch with ``config``) again bit for bit, and each row alone too."""
     from dllm.runner.kernels.triton_extend import dllm_extend_attention
 
-    block, *_ = CASES[name]
-    q, args, out, *_ = run_case(name)
     again = torch.full_like(q, float("nan"))
-    dllm_extend_attention(q, *args, out=again)
+    dllm_extend_attention(q, *args, out=again, config=config)
     assert torch.equal(out, again)
-    k_buf, v_buf, table, req_rows, seq_lens, _, scale = args
+    k_buf, v_buf, table, req_rows, seq_lens, block, scale = args
     for i in range(req_rows.shape[0]):  # each row alone: the same bits
         sl = slice(i * block, (i + 1) * block)
         alone = dllm_extend_attention(q[sl], k_buf, v_buf, table, req_rows[i : i + 1],
-                                      seq_lens[i : i + 1], block, scale)
+                                      seq_lens[i : i + 1], block, scale, config=config)
         assert torch.equal(alone, out[sl])
+
+
+@pytest.mark.parametrize("name", ["sdar_b4_g4", "llada2_b32_g4"])
+def test_triton_extend_deterministic_and_row_independent(name):
+    q, args, out, *_ = run_case(name)
+    assert_deterministic_and_row_independent(q, args, out)
 
 
 def test_triton_extend_strided_q():
@@ -225,20 +229,12 @@ def test_triton_extend_wide_tile(name):
     deterministic and row-independent."""
     from dllm.runner.kernels.triton_extend import WIDE_TILE, dllm_extend_attention, reference
 
-    block, *_ = CASES[name]
     q, args, *_ = run_case(name)
     got = torch.full_like(q, float("nan"))
     dllm_extend_attention(q, *args, out=got, config=WIDE_TILE)
     assert not got.isnan().any()
     assert (got.float() - reference(q, *args)).abs().max().item() < 2e-2
-    again = dllm_extend_attention(q, *args, config=WIDE_TILE)
-    assert torch.equal(got, again)
-    k_buf, v_buf, table, req_rows, seq_lens, _, scale = args
-    for i in range(req_rows.shape[0]):
-        sl = slice(i * block, (i + 1) * block)
-        alone = dllm_extend_attention(q[sl], k_buf, v_buf, table, req_rows[i : i + 1],
-                                      seq_lens[i : i + 1], block, scale, config=WIDE_TILE)
-        assert torch.equal(alone, got[sl])
+    assert_deterministic_and_row_independent(q, args, got, WIDE_TILE)
 
 
 # --- Split-KV (num_splits > 1) -------------------------------------------------------------
