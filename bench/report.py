@@ -224,3 +224,18 @@ def write_report(out: str | Path, name: str, markdown: str, payload: dict,
     md = out / f"{base}.md"
     md.write_text(markdown if markdown.endswith("\n") else markdown + "\n")
     return md
+
+
+def skinny_rows_option(ap) -> None:
+    """``--skinny-max-rows``, the A/B knob of the engine benchmarks (``apply_skinny_rows``)."""
+    ap.add_argument("--skinny-max-rows", type=int, default=None,
+                    help="A/B: the skinny GEMM's row limit (skinny_gemm.MAX_M; 16 keeps cuBLAS "
+                         "past 16 rows, 32 past 32)")
+
+
+def apply_skinny_rows(rows: int | None) -> None:
+    """Caps the rows the skinny GEMM takes (``skinny_gemm.MAX_M``) for this process."""
+    if rows is not None:
+        from dllm.runner.kernels import skinny_gemm
+
+        skinny_gemm.MAX_M = rows

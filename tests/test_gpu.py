@@ -657,12 +657,12 @@ def test_triton_ops_fused_residual_steps_match_the_reference_ops():
 
 
 @pytest.mark.parametrize("fuse_residual", [True, False])
-def test_triton_ops_dream_mlp_at_32_rows(fuse_residual):
-    """Dream-7B's o_proj and MLP at 16 and 32 rows through ``TritonOps``, against the float32
-    reference ops. The gate/up GEMM takes SiLU-and-mul in its epilogue past 16 rows
-    (``SILU_ROWS32``) whether the norm before it rode the o_proj's epilogue (a ``PreNormed``,
-    where the skinny GEMM takes o_proj) or ran as a kernel of its own (the residual fusion
-    off)."""
+def test_triton_ops_dream_mlp_at_32_and_64_rows(fuse_residual):
+    """Dream-7B's o_proj and MLP at 16, 32 and 64 rows through ``TritonOps``, against the
+    float32 reference ops. The gate/up GEMM takes SiLU-and-mul in its epilogue at 17-32 rows
+    (``SILU_ROWS32``; at 64 rows a separate kernel follows) whether the norm before it rode
+    the o_proj's epilogue (a ``PreNormed``, where the skinny GEMM takes o_proj) or ran as a
+    kernel of its own (the residual fusion off)."""
     pytest.importorskip("triton")
     from dllm.models.layers import RMSNorm, SwiGLUMLP
     from dllm.models.ops import install_ops
@@ -674,6 +674,7 @@ def test_triton_ops_dream_mlp_at_32_rows(fuse_residual):
     torch.manual_seed(0)
     hid, inter, eps = 3584, 18944, 1e-6
     assert skinny_gemm.silu_fused(2 * inter, hid, dev, 32)
+    assert not skinny_gemm.silu_fused(2 * inter, hid, dev, 64)  # a SiLU kernel of its own
     assert not skinny_gemm.silu_fused(2 * inter, hid, dev, 16)
     block = torch.nn.ModuleDict(dict(o=torch.nn.Linear(hid, hid, bias=False),
                                      mlp=SwiGLUMLP(hid, inter), norm=RMSNorm(hid, eps)))
@@ -691,12 +692,12 @@ def test_triton_ops_dream_mlp_at_32_rows(fuse_residual):
         act, stream = o.norm_gate_up(*first, b.norm.weight, eps, b.mlp.gate_up_proj)
         return first, act, stream
 
-    for m in (16, 32):
+    for m in (16, 32, 64):
         x = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         res = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         first, act, stream = run(block, x, res)
         _, r_act, r_stream = run(ref, x.float(), res.float())
-        o_skinny = m <= 16 or (hid, hid) in skinny_gemm.ROWS32[(9, 0)]
+        o_skinny = m <= 16 or (hid, hid) in skinny_gemm.ROW_TILES[m][0][(9, 0)]
         assert isinstance(first[0], PreNormed) == (fuse_residual and o_skinny)
         for got, want in ((act, r_act), (stream, r_stream)):
             assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2

@@ -53,10 +53,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT)]
 
 from bench.report import (  # noqa: E402
+    apply_skinny_rows,
     environment,
     measure_ceilings,
     replay_us,
     require_cuda,
+    skinny_rows_option,
     stamp,
     write_report,
 )
@@ -132,6 +134,8 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
     if args.profile:
         profile_kernels(e, prompts[1].tolist(), params, f"{shape} {mode} bs={bs}",
                         args.profile_top)
+    if args.profile_windows:
+        profile_windows(e.runner.runners[0], bs, f"{shape} {mode} bs={bs}", args.profile_top)
     bw, mm = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
 
     # A step's time is the forward launched a step earlier (overlap: it waits for that one).
@@ -216,6 +220,40 @@ def profile_kernels(e, prompts: list[list[int]], params, label: str, top: int = 
     print(flush=True)
 
 
+def profile_windows(runner, bs: int, label: str, top: int, replays: int = 5) -> None:
+    """Each captured window graph of the greedy requests (rows = ``bs``), replayed under
+    ``torch.profiler``: its kernels by GPU time a replay (the windows' own breakdowns, which
+    ``--profile``'s request-wide average mixes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dllm.denoise import GRAPH_FLAGS
+
+    graphs = sorted((width, g) for (rows, width, key), g in getattr(runner, "graphs", {}).items()
+                    if rows == bs and key[1] == GRAPH_FLAGS[0])
+    for width, g in graphs:
+        g.graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                g.graph.replay()
+            torch.cuda.synchronize()
+        events = sorted(((getattr(ev, "self_device_time_total", 0)
+                          or getattr(ev, "self_cuda_time_total", 0), ev.count, ev.key)
+                         for ev in prof.key_averages()), reverse=True)
+        events = [ev for ev in events if ev[0] > 0]
+        total = sum(us for us, _, _ in events) / replays
+        print(f"\n{label}, window of {width} tokens: {total / 1e3:.3f} ms of kernels a replay "
+              f"(replay {replay_us(g.graph) / 1e3:.3f} ms)\n"
+              "| µs/replay | launches/replay | kernel |\n|---|---|---|")
+        for us, count, key in events[:top]:
+            print(f"| {us / replays:.1f} | {count / replays:.2f} | {key[:110]} |")
+        rest = events[top:]
+        if rest:
+            print(f"| {sum(us for us, _, _ in rest) / replays:.1f} | "
+                  f"{sum(c for _, c, _ in rest) / replays:.2f} | the other {len(rest)} kernels |")
+    print(flush=True)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | mode | batch | runner | wall s | tok/s | forwards | cached step ms | "
             "window replay ms | window floor ms | × floor | refresh step ms | "
@@ -258,17 +296,16 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--profile", action="store_true",
                     help="after each case, one more batch under torch.profiler: kernels a forward")
-    ap.add_argument("--profile-top", type=int, default=25, help="kernels listed by --profile")
-    ap.add_argument("--skinny-max-rows", type=int, default=None,
-                    help="A/B: the skinny GEMM's row limit (skinny_gemm.MAX_M; 16 keeps "
-                         "cuBLAS past 16 rows)")
+    ap.add_argument("--profile-windows", action="store_true",
+                    help="after each case, every captured window graph replayed under "
+                         "torch.profiler: kernels a replay, window by window")
+    ap.add_argument("--profile-top", type=int, default=25,
+                    help="kernels listed by --profile and --profile-windows")
+    skinny_rows_option(ap)
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
-    if args.skinny_max_rows is not None:
-        from dllm.runner.kernels import skinny_gemm
-
-        skinny_gemm.MAX_M = args.skinny_max_rows
+    apply_skinny_rows(args.skinny_max_rows)
     ceilings = measure_ceilings()
     env = {**environment(), **ceilings, "args": vars(args)}
     print(json.dumps(env), flush=True)

@@ -44,9 +44,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/report.py
 from report import (  # noqa: E402
     ClockRead,
+    apply_skinny_rows,
     environment,
     measure_ceilings,
     require_cuda,
+    skinny_rows_option,
     stamp,
     write_report,
 )
@@ -338,9 +340,11 @@ def main() -> int:
                     help="MoE models: count the experts a layer's forward reaches (an eager "
                          "run of the same workload first) and add the weight floor of those")
     ap.add_argument("--out", default="bench/results")
+    skinny_rows_option(ap)
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
+    apply_skinny_rows(args.skinny_max_rows)
     ceilings = measure_ceilings()
     env = {**environment(), **ceilings}
     print(json.dumps(env))

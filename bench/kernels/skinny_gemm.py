@@ -65,7 +65,10 @@ def candidates(n: int, k: int, block_m: int = 16) -> list:
     """A few dozen configurations per shape: tile widths 16-128, K tiles 128-512, pipelines
     holding ~32, ~64 or ~96 KB of W per program, and the K splits that bring the grid to
     between ~1 and ~12 programs per SM (split-K costs a second, reduction kernel). ``block_m``:
-    the padded rows of x each pipeline stage also holds."""
+    the padded rows of x each pipeline stage also holds; the 64- and 128-row tiles take
+    ``wide_candidates``."""
+    if block_m > 32:
+        return wide_candidates(n, k, block_m)
     out = []
     for bn in (16, 32, 64, 128):
         for bk in (128, 256, 512):
@@ -84,8 +87,33 @@ def candidates(n: int, k: int, block_m: int = 16) -> list:
                             base.num_stages, swap_ab=False),
             sg.SkinnyConfig(base.block_n, base.block_k, base.split_k, 8, base.num_stages),
             base]
+    return _unique(out)
+
+
+def wide_candidates(n: int, k: int, block_m: int) -> list:
+    """Configurations for the 64- and 128-row tiles, where the MMA does real work: both
+    operand orders (swapped, the weight tile is the wgmma's M side and needs >= 64 rows;
+    not swapped, x's rows are, with 32- or 64-column weight tiles), K tiles of
+    64 or 128, 3-5 stages within the shared memory, 8 warps for the largest accumulators, and
+    a K split of 2 where the unsplit grid is under a wave."""
+    out = []
+    for swap in (True, False):
+        for bn in ((64, 128) if swap else (32, 64)):
+            for bk in (64, 128):
+                for stages in (3, 4, 5):
+                    if stages * (bn + block_m) * bk * 2 > SMEM_LIMIT:
+                        continue
+                    warps = 8 if bn * block_m >= 16384 else 4
+                    for split in (1, 2):
+                        if split > 1 and (-(-n // bn) >= 132 or k % (bk * split)):
+                            continue
+                        out.append(sg.SkinnyConfig(bn, bk, split, warps, stages, swap))
+    return _unique(out)
+
+
+def _unique(configs: list) -> list:
     seen, uniq = set(), []
-    for c in out:
+    for c in configs:
         if c not in seen:
             seen.add(c)
             uniq.append(c)
@@ -157,7 +185,7 @@ def main() -> int:
     rows, sweep = [], []
     failures = 0
     t_start = time.time()
-    tile = 32 if max(tokens) > 16 else 16  # the padded rows x takes in shared memory
+    tile = sg._block_m(max(tokens))  # the padded rows x takes in shared memory
     if args.sweep and args.compile_jobs > 1:
         precompile([(n, k, m, cfg) for _name, n, k in shapes for cfg in candidates(n, k, tile)
                     for m in tokens], args.compile_jobs)
@@ -260,8 +288,10 @@ def main() -> int:
                 for m in tokens) + f" | {all(sel[m]['vs_cublas'] > 1 for m in tokens)} |")
         cap = tuple(torch.cuda.get_device_capability(DEVICE))
         # one configuration over token counts of both tiles fits neither table
-        table = ("ROWS32" if min(tokens) > 16 else "CONFIGS" if tile == 16
-                 else "CONFIGS or ROWS32 (the tokens span both row tiles: sweep each alone)")
+        table = ("CONFIGS" if tile == 16 else f"ROWS{tile}"
+                 if sg._block_m(min(tokens)) == tile
+                 else f"one row tile (the tokens span {sg._block_m(min(tokens))} to {tile} "
+                      "rows: sweep each alone)")
         lines += ["", f"This device's entry of `{table}` in `runner/kernels/skinny_gemm.py`:", "",
                   "```python", f"    {cap}: {{"]
         for name, n, k in shapes:
@@ -307,7 +337,7 @@ def fused_main(args) -> int:
             nw = 1 + 0.1 * torch.randn(n, device="cuda", dtype=dt)
             # partial sums for a consumer whose input came from a producer of 128 programs
             ss = (x.float().pow(2).sum(-1) / 128).expand(128, m)
-            sum_sq = torch.zeros(128, 16 if m <= 16 else 32, device="cuda")
+            sum_sq = torch.zeros(128, sg._block_m(m), device="cuda")
             sum_sq[:, :m] = ss
             rstd = torch.rsqrt(x.double().pow(2).sum(-1, keepdim=True) / k + 1e-6)
             plain = x.double() @ ws[0].double().T

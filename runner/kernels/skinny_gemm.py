@@ -1,4 +1,4 @@
-"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 32.
+"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 128.
 
 At batch 1 a denoise step multiplies 1-32 activation rows by every weight matrix, so each
 GEMM is bound by reading W (``N * K * 2`` bytes) once from HBM; the arithmetic is tiny. cuBLAS
@@ -10,7 +10,7 @@ and down shapes (H200 copy ceiling ~4.3 TB/s). This kernel is built to stream W:
   contiguous along K (16-byte vector loads; the row stride is K, a multiple of 16), and
   produces those columns for *all* M rows. x is at most 32 x K and is re-read by every
   program from L1/L2, never from HBM in the steady state.
-* **Tensor cores with M padded to 16** (to 32 past 16 rows). ``tl.dot`` needs every
+* **Tensor cores with M padded to 16** (past 16 rows: to the next power of two). ``tl.dot`` needs every
   dimension >= 16, so x is loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to
   zero. With ``SWAP_AB`` the product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``):
   the large operand is the MMA's M side, which lets Triton use Hopper's wgmma for
@@ -91,9 +91,11 @@ __all__ = ["CONFIGS", "ROWS32", "SILU_CONFIGS", "SILU_ROWS32", "SkinnyConfig", "
            "supports_residual"]
 
 # Rows the kernel takes: 1-16 in a 16-row tile, 17-32 (a full-attention model's 32-token dual
-# window, SDAR's batch 8 at block 4) in a 32-row one (``_block_m``). Past 16 rows ``supports``
-# takes only the weight shapes of ``ROWS32``; a benchmark sets ``MAX_M = 16`` for its A/B runs.
-MAX_M = 32
+# window, SDAR's batch 8 at block 4) in a 32-row one, 33-64 and 65-128 (the prefix cache's
+# wider windows) in 64- and 128-row ones (``_block_m``). Past 16 rows ``supports`` takes only
+# the weight shapes of that tile's table (``ROW_TILES``); a benchmark sets ``MAX_M = 16`` for
+# its A/B runs.
+MAX_M = 128
 _HALF = (torch.float16, torch.bfloat16)
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors (numpy); used by the tests only.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -182,9 +184,48 @@ ROWS32: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
 }
 
 
+# The 64-row tile (33-64 rows; LLaDA-8B's dual window at batch 2, the prefix cache's 64-token
+# window, SDAR-8B's batch 16 at block 4). ``bench/kernels/skinny_gemm.py --sweep --tokens 48,64``
+# (``skinny-gemm-20261203-060115``): the least total time over 48 and 64 rows, unsplit where
+# the residual step rides the epilogue (it needs whole rows). At these rows the kernel ties
+# cuBLAS within ~1 µs, so a shape is listed where its fused neighbours repay it
+# (``skinny-fused-20261203-060959``, 64 rows, µs against cuBLAS): the 8B o_proj with the
+# residual step 13.6 against 12.6 plus an add + RMSNorm kernel (~3.2), gate/up with the norm
+# and SiLU 54.3 against 52.1 plus the norm and a SiLU kernel (~3.6), down with the residual
+# step 32.8 against 31.5 (its norm then rides q/k/v: 29.1 against 28.6); Dream-7B's o_proj
+# 11.4 against 10.0 and gate/up 72.0 against 74.8 (its SiLU stays a kernel: 77.9 at best
+# fused). Dream-7B's q/k/v (13.5 against 11.8) and down (45.0 against 40.4) stay with cuBLAS,
+# as at 32 rows.
+ROWS64: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
+    (9, 0): {
+        (4096, 4096): SkinnyConfig(32, 128, 1, 4, 5, False),  # o_proj
+        (24576, 4096): SkinnyConfig(64, 64, 1, 4, 4),  # gate_up
+        (4096, 12288): SkinnyConfig(32, 128, 1, 4, 5, False),  # down
+        (12288, 4096): SkinnyConfig(128, 128, 1, 4, 4),  # LLaDA-8B qkv
+        (3584, 3584): SkinnyConfig(32, 128, 1, 4, 5, False),  # Dream-7B o_proj
+        (37888, 3584): SkinnyConfig(128, 64, 1, 4, 3),  # Dream-7B gate_up
+    },
+}
+SILU_ROWS64: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
+    (9, 0): {
+        (24576, 4096): SkinnyConfig(64, 64, 1, 4, 4),
+    },
+}
+# The 128-row tile (65-128 rows): no shape. At 96 and 128 rows cuBLAS won every 8B and Dream-7B
+# shape (``skinny-gemm-20261203-060159``: the best configurations 0.75-1.00x its speed).
+ROWS128: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {(9, 0): {}}
+SILU_ROWS128: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {(9, 0): {}}
+
+# Row tile -> the tables of the weight shapes the kernel takes at that tile (plain, SiLU).
+ROW_TILES = {32: (ROWS32, SILU_ROWS32), 64: (ROWS64, SILU_ROWS64),
+             128: (ROWS128, SILU_ROWS128)}
+
+
 def _silu_config(rows: int, k: int, device: torch.device | None, m: int
                  ) -> SkinnyConfig | None:
-    return tuned(SILU_ROWS32 if m > 16 else SILU_CONFIGS, device).get((rows, k))
+    tile = _block_m(m)
+    table = SILU_CONFIGS if tile == 16 else ROW_TILES[tile][1]
+    return tuned(table, device).get((rows, k))
 
 
 def silu_fused(rows: int, k: int, device: torch.device | None = None, m: int = 1) -> bool:
@@ -195,8 +236,9 @@ def silu_fused(rows: int, k: int, device: torch.device | None = None, m: int = 1
 
 
 def _block_m(m: int) -> int:
-    """The MMA's padded row count for ``m`` rows: 16 up to 16 rows, else 32."""
-    return 16 if m <= 16 else 32
+    """The MMA's padded row count for ``m`` rows: 16 up to 16 rows, else the next power of
+    two (32, 64 or 128)."""
+    return 16 if m <= 16 else 1 << (m - 1).bit_length()
 
 
 def _halved(cfg: SkinnyConfig) -> SkinnyConfig:
@@ -221,9 +263,10 @@ def _default(n: int, k: int, sms: int) -> SkinnyConfig:
 def config_for(n: int, k: int, device: torch.device | None = None, rows: int = 1
                ) -> SkinnyConfig:
     """The configuration for an ``[n, k]`` weight on ``device`` (None: the reference device)
-    at ``rows`` rows of x: the 16-row tile's up to 16 rows, past that the 32-row tile's
-    (``ROWS32``; the 16-row tile's configuration where that has no entry)."""
-    cfg = tuned(ROWS32, device).get((n, k)) if rows > 16 else None
+    at ``rows`` rows of x: the 16-row tile's up to 16 rows, past that the row tile's
+    (``ROW_TILES``; the 16-row tile's configuration where that has no entry)."""
+    tile = _block_m(rows)
+    cfg = tuned(ROW_TILES[tile][0], device).get((n, k)) if tile > 16 else None
     if cfg is not None:
         return cfg
     cfg = tuned(CONFIGS, device).get((n, k))
@@ -234,7 +277,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """Whether ``skinny_linear(x, weight, bias)`` handles these tensors."""
     ok_device = x.is_cuda or (_INTERPRET and x.device.type == "cpu")
     return (ok_device and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
-            and (x.shape[0] <= 16 or tuple(weight.shape) in tuned(ROWS32, x.device))
+            and (x.shape[0] <= 16
+                 or tuple(weight.shape) in tuned(ROW_TILES[_block_m(x.shape[0])][0], x.device))
             and x.dtype in _HALF and weight.dtype == x.dtype and x.device == weight.device
             and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0 and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
@@ -398,7 +442,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
                   pdl: bool = False, sum_sq: torch.Tensor | None = None, eps: float = 0.0,
                   silu: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= 32 (check ``supports``
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with 1 <= M <= MAX_M (check ``supports``
     first). Float32 accumulation, output in x's dtype. ``config`` overrides the (N, K) table
     (benchmarks); ``out`` is written in place if given (tests poison it). ``pdl``: launch
     with programmatic dependent launch (Hopper and newer), streaming the first lines of each
@@ -460,7 +504,7 @@ def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """A projection that ends in the pre-norm decoder's residual step, with the next RMSNorm
     half done: ``y = F.linear(x, weight, bias)`` (rounded), the stream ``s = residual + y``
     (rounded), ``scaled = s * norm_weight`` (rounded) and the float32 partial sums of ``s²``,
-    ``[programs, 16]`` (one row per program's columns, 16 token slots; 32 past 16 rows). Returns
+    ``[programs, 16]`` (one row per program's columns, 16 token slots; past 16 rows the row tile's). Returns
     ``(s, scaled, sum_sq)``; ``skinny_linear(scaled, ..., sum_sq=sum_sq, eps=...)`` then
     finishes the norm (``1 / rms(s)`` from the partials, in a fixed order) in its epilogue.
     The reference rounds ``s / rms(s)`` instead; the two agree within the dtype's rounding.

@@ -1,4 +1,4 @@
-"""The Triton skinny GEMM (``dllm.runner.kernels.skinny_gemm``) for 1-32 rows: equals a float64
+"""The Triton skinny GEMM (``dllm.runner.kernels.skinny_gemm``) for 1-64 rows: equals a float64
 reference and ``F.linear`` within bf16 rounding, writes every output element, is bit-for-bit
 deterministic, and computes each row independently of the other rows of the batch.
 
@@ -20,14 +20,14 @@ if INTERPRET:
     # (N, K): N a multiple of the tile, N not (tail columns), a split-K shape, a K that is not
     # a multiple of the K tile, and the default heuristic's split of a wide K.
     SHAPES = [(256, 512), (200, 384), (96, 1024), (130, 400)]
-    TOKENS = [1, 3, 16, 17, 32]
+    TOKENS = [1, 3, 16, 17, 32, 40]
 else:
     DEV, DTYPE = "cuda", torch.bfloat16
     # qkv, o_proj, down and gate_up of the 8B model; odd N (a partial last tile), a small N,
     # and K = 4096 + 16 (not a multiple of any K tile).
     SHAPES = [(6144, 4096), (4096, 4096), (4096, 12288), (24576, 4096), (6144 + 80, 4096),
               (1000, 2048), (512, 4112)]
-    TOKENS = list(range(1, 17)) + [17, 24, 31, 32]
+    TOKENS = list(range(1, 17)) + [17, 24, 31, 32, 33, 48, 63, 64]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,12 @@ def _weights(n: int, k: int, seed: int):
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(DTYPE).to(DEV)
     b = torch.randn(n, generator=g).to(DTYPE).to(DEV)
     return w, b
+
+
+def _tile_takes(sg, n: int, k: int, m: int) -> bool:
+    """Whether the dispatcher takes an ``[n, k]`` weight at ``m`` rows: every shape up to 16
+    rows, past that only those of the row tile's table (the shapes measured to gain there)."""
+    return m <= 16 or (n, k) in sg.ROW_TILES[sg._block_m(m)][0][(9, 0)]
 
 
 def _x(m: int, k: int, seed: int, stride: int | None = None) -> torch.Tensor:
@@ -68,7 +74,7 @@ def test_matches_reference(sg, n, k, bias):
     for m in TOKENS:
         x = _x(m, k, seed=m)
         # past 16 rows the dispatcher takes only the shapes measured to gain there
-        assert sg.supports(x, w, b) == (m <= 16 or (n, k) in sg.ROWS32[(9, 0)])
+        assert sg.supports(x, w, b) == _tile_takes(sg, n, k, m)
         y = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
         assert y.shape == (m, n) and y.dtype == DTYPE
         assert torch.isfinite(y).all(), f"unwritten or non-finite output at M={m}"
@@ -96,23 +102,24 @@ def test_strided_x(sg, n, k):
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_deterministic_and_row_independent(sg, n, k):
     # A row's result is the same alone (M = 1, the 16-row tile) and in any batch of the same
-    # tile; a batch of 17-32 rows (the 32-row tile) gives each row the result it has in 17.
+    # tile; a batch past 16 rows (the 32- or 64-row tile) gives each row the result it has in
+    # the smallest batch of that tile (17 or 33 rows).
     w, b = _weights(n, k, seed=2)
-    x32 = _x(32, k, seed=3)
-    alone = [sg.skinny_linear(x32[i:i + 1].clone(), w, b)[0] for i in range(32)]
-    y17 = sg.skinny_linear(x32[:17].clone(), w, b)
+    x64 = _x(64, k, seed=3)
+    first = {16: [sg.skinny_linear(x64[i:i + 1].clone(), w, b)[0] for i in range(16)],
+             32: sg.skinny_linear(x64[:17].clone(), w, b),
+             64: sg.skinny_linear(x64[:33].clone(), w, b)}
     for m in TOKENS:
-        x = x32[:m].clone()
+        x = x64[:m].clone()
         y1 = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
         y2 = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
         assert torch.equal(y1, y2), f"two runs differ at M={m}"
-        for i in range(m):
-            same = alone[i] if m <= 16 else (y17[i] if i < 17 else None)
-            if same is not None:
-                assert torch.equal(y1[i], same), f"row {i} of M={m} differs"
-        if m > 17:  # the rows past 17: as in the batch of 32
-            y32 = sg.skinny_linear(x32, w, b)
-            assert torch.equal(y1, y32[:m])
+        same = first[sg._block_m(m)]
+        for i in range(min(m, len(same))):
+            assert torch.equal(y1[i], same[i]), f"row {i} of M={m} differs"
+        tile = sg._block_m(m)
+        if tile > 16 and m < tile:  # the rows past the smallest batch: as in the full tile
+            assert torch.equal(y1, sg.skinny_linear(x64[:tile].clone(), w, b)[:m])
 
 
 def test_supports(sg):
@@ -121,7 +128,10 @@ def test_supports(sg):
     assert not sg.supports(torch.empty(17, 512, dtype=DTYPE, device=DEV), w)
     o_proj = torch.empty(4096, 4096, dtype=DTYPE, device=DEV)  # in ROWS32
     assert sg.supports(torch.empty(32, 4096, dtype=DTYPE, device=DEV), o_proj)
-    assert not sg.supports(torch.empty(33, 4096, dtype=DTYPE, device=DEV), o_proj)
+    assert sg.supports(torch.empty(64, 4096, dtype=DTYPE, device=DEV), o_proj)  # ROWS64
+    assert not sg.supports(torch.empty(65, 4096, dtype=DTYPE, device=DEV), o_proj)
+    assert not sg.supports(torch.empty(129, 4096, dtype=DTYPE, device=DEV), o_proj)
+    assert not sg.supports(torch.empty(33, 512, dtype=DTYPE, device=DEV), w)
     assert not sg.supports(torch.empty(0, 512, dtype=DTYPE, device=DEV), w)
     assert not sg.supports(torch.empty(4, 512, dtype=torch.float32, device=DEV),
                            w.float())
@@ -134,6 +144,9 @@ def test_supports(sg):
     assert sg.config_for(4096, 4096) == sg.config_for(4096, 4096)  # keyed on (N, K) alone
     # the 32-row tile has its own configurations; a shape without one keeps the 16-row tile's
     assert sg.config_for(4096, 4096, rows=17) == sg.ROWS32[(9, 0)][(4096, 4096)]
+    assert sg.config_for(4096, 4096, rows=33) == sg.ROWS64[(9, 0)][(4096, 4096)]
+    assert [sg._block_m(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64,
+                                                                           64, 128, 128]
     assert sg.config_for(4096, 4096, rows=16) == sg.CONFIGS[(9, 0)][(4096, 4096)]
     assert sg.config_for(256, 512, rows=32) == sg.config_for(256, 512, rows=1)
 
@@ -181,6 +194,12 @@ def test_configs(sg, case, n, k):
     assert torch.isfinite(y32).all() and _rel(y32, ref32) < 1e-2
     y20 = sg.skinny_linear(x32[:20].clone(), w, b, config=cfg, out=_poisoned(20, n))
     assert torch.equal(y20, y32[:20])
+    x64 = torch.cat([x32, _x(32, k, seed=11)])  # the 64-row tile
+    y64 = sg.skinny_linear(x64, w, b, config=cfg, out=_poisoned(64, n))
+    ref64 = x64.double() @ w.double().T + b.double()
+    assert torch.isfinite(y64).all() and _rel(y64, ref64) < 1e-2
+    y40 = sg.skinny_linear(x64[:40].clone(), w, b, config=cfg, out=_poisoned(40, n))
+    assert torch.equal(y40, y64[:40])
 
 
 # --- the residual step split over two projections: skinny_linear_residual (epilogue: add the
@@ -206,14 +225,13 @@ def _residual_case(n, k, n2, m, seed):
 def test_residual_step_matches_reference(sg, n, k, n2, silu):
     for m in TOKENS:
         w1, b1, w2, b2, nw, x, r = _residual_case(n, k, n2, m, seed=m)
-        assert sg.supports_residual(x, w1, b1, r, nw) == (m <= 16
-                                                          or (n, k) in sg.ROWS32[(9, 0)])
+        assert sg.supports_residual(x, w1, b1, r, nw) == _tile_takes(sg, n, k, m)
         s, scaled, sum_sq = sg.skinny_linear_residual(x, w1, b1, r, nw)
         # the stream and the scaled input, rounded as the reference rounds them
         y = sg.skinny_linear(x, w1, b1)
         assert torch.equal(s, (y.float() + r.float()).to(DTYPE))
         assert torch.equal(scaled, (s.float() * nw.float()).to(DTYPE))
-        assert sum_sq.dtype == torch.float32 and sum_sq.shape[1] == (16 if m <= 16 else 32)
+        assert sum_sq.dtype == torch.float32 and sum_sq.shape[1] == sg._block_m(m)
         torch.testing.assert_close(sum_sq.sum(0)[:m], s.float().pow(2).sum(-1), rtol=1e-5,
                                    atol=0)
         assert not sum_sq[:, m:].any(), "token slots past M hold zeros"
@@ -232,7 +250,7 @@ def test_residual_step_matches_reference(sg, n, k, n2, silu):
 @pytest.mark.parametrize("silu", [False, True])
 def test_silu_without_norm(sg, silu, n, k):
     w, b = _weights(n, k, seed=12)
-    for m in (1, 5, 16, 32):
+    for m in (1, 5, 16, 32, 64):
         x = _x(m, k, seed=m)
         y = sg.skinny_linear(x, w, b, silu=silu)
         ref = x.double() @ w.double().T + b.double()
@@ -244,10 +262,13 @@ def test_silu_without_norm(sg, silu, n, k):
 
 def test_silu_tables(sg):
     """SiLU rides the gate/up epilogue where a tile's table lists the shape: the 16-row
-    tile's up to 16 rows, the 32-row tile's past that (whose shapes the kernel takes)."""
-    for cc, table in sg.SILU_ROWS32.items():
-        assert set(table) <= set(sg.ROWS32[cc])
+    tile's up to 16 rows, past that the row tile's (whose shapes the kernel takes)."""
+    for plain, silu in sg.ROW_TILES.values():
+        for cc, table in silu.items():
+            assert set(table) <= set(plain[cc])
     assert sg.silu_fused(24576, 4096, m=16) and sg.silu_fused(24576, 4096, m=32)
+    assert sg.silu_fused(24576, 4096, m=64) and not sg.silu_fused(24576, 4096, m=65)
+    assert not sg.silu_fused(37888, 3584, m=64)  # Dream-7B at 64 rows: a SiLU kernel
     assert not sg.silu_fused(37888, 3584, m=16)  # Dream-7B: past 16 rows only
     assert sg.silu_fused(37888, 3584, m=17)
     assert not sg.silu_fused(6144, 4096, m=32)
@@ -273,6 +294,11 @@ def test_residual_step_row_independent(sg, silu):
     s32, y32 = run(x32, r32)
     s20, y20 = run(x32[:20].clone(), r32[:20].clone())
     assert torch.equal(s20, s32[:20]) and torch.equal(y20, y32[:20])
+    x64 = torch.cat([x32, _x(32, k, seed=33)])
+    r64 = torch.cat([r32, _x(32, n, seed=34)])
+    s64, y64 = run(x64, r64)
+    s40, y40 = run(x64[:40].clone(), r64[:40].clone())
+    assert torch.equal(s40, s64[:40]) and torch.equal(y40, y64[:40])
 
 
 def test_residual_step_in_graph(sg):
