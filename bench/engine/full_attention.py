@@ -135,7 +135,8 @@ def run_case(shape: str, path: str, mode: str, bs: int, graph: bool, args, ceili
         profile_kernels(e, prompts[1].tolist(), params, f"{shape} {mode} bs={bs}",
                         args.profile_top)
     if args.profile_windows:
-        profile_windows(e.runner.runners[0], bs, f"{shape} {mode} bs={bs}", args.profile_top)
+        profile_windows(e.runner.runners[0], bs, args.prompt_len + args.gen_len,
+                        f"{shape} {mode} bs={bs}", args.profile_top)
     bw, mm = ceilings["hbm_bytes_per_s"], ceilings["bf16_flops_per_s"]
 
     # A step's time is the forward launched a step earlier (overlap: it waits for that one).
@@ -220,7 +221,8 @@ def profile_kernels(e, prompts: list[list[int]], params, label: str, top: int = 
     print(flush=True)
 
 
-def profile_windows(runner, bs: int, label: str, top: int, replays: int = 5) -> None:
+def profile_windows(runner, bs: int, canvas: int, label: str, top: int, replays: int = 5
+                    ) -> None:
     """Each captured window graph of the greedy requests (rows = ``bs``), replayed under
     ``torch.profiler``: its kernels by GPU time a replay (the windows' own breakdowns, which
     ``--profile``'s request-wide average mixes)."""
@@ -228,8 +230,8 @@ def profile_windows(runner, bs: int, label: str, top: int, replays: int = 5) -> 
 
     from dllm.denoise import GRAPH_FLAGS
 
-    graphs = sorted((width, g) for (rows, width, key), g in getattr(runner, "graphs", {}).items()
-                    if rows == bs and key[1] == GRAPH_FLAGS[0])
+    graphs = sorted(((width, g) for (rows, width, key), g in getattr(runner, "graphs", {}).items()
+                     if rows == bs and key[1] == GRAPH_FLAGS[0]), key=lambda wg: wg[0])
     for width, g in graphs:
         g.graph.replay()
         torch.cuda.synchronize()
@@ -242,7 +244,8 @@ def profile_windows(runner, bs: int, label: str, top: int, replays: int = 5) -> 
                          for ev in prof.key_averages()), reverse=True)
         events = [ev for ev in events if ev[0] > 0]
         total = sum(us for us, _, _ in events) / replays
-        print(f"\n{label}, window of {width} tokens: {total / 1e3:.3f} ms of kernels a replay "
+        what = "canvas" if width == canvas else "window"
+        print(f"\n{label}, {what} of {width} tokens: {total / 1e3:.3f} ms of kernels a replay "
               f"(replay {replay_us(g.graph) / 1e3:.3f} ms)\n"
               "| µs/replay | launches/replay | kernel |\n|---|---|---|")
         for us, count, key in events[:top]:

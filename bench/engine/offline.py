@@ -346,7 +346,7 @@ def main() -> int:
         return 2
     apply_skinny_rows(args.skinny_max_rows)
     ceilings = measure_ceilings()
-    env = {**environment(), **ceilings}
+    env = {**environment(), **ceilings, "args": vars(args)}
     print(json.dumps(env))
     from dllm.runner.kernels.settings import KernelSettings
 

@@ -71,7 +71,7 @@ def chain(weights: list[dict], x: torch.Tensor, pdl: bool) -> torch.Tensor:
     m = x.shape[0]
     stream = x
     scaled = x
-    sum_sq = torch.zeros(HIDDEN // 32, sg.MAX_M, device=x.device, dtype=torch.float32)
+    sum_sq = torch.zeros(HIDDEN // 32, sg._block_m(m), device=x.device, dtype=torch.float32)
     sum_sq[:, :m] = (x.float().pow(2).sum(-1) / (HIDDEN // 32))
     for lw in weights:
         qkv = sg.skinny_linear(scaled, lw["qkv"], sum_sq=sum_sq, eps=EPS, pdl=pdl)

@@ -108,7 +108,8 @@ def wide_candidates(n: int, k: int, block_m: int) -> list:
                         if split > 1 and (-(-n // bn) >= 132 or k % (bk * split)):
                             continue
                         out.append(sg.SkinnyConfig(bn, bk, split, warps, stages, swap))
-    return _unique(out)
+    # the table's configuration (``config_for``: the tile's entry, if the shape has one)
+    return _unique(out + [sg.config_for(n, k, DEVICE, rows=block_m)])
 
 
 def _unique(configs: list) -> list:
@@ -123,6 +124,7 @@ def _unique(configs: list) -> list:
 def _compile(jobs: list) -> int:
     """Compiles the kernels of ``(n, k, m, config)`` cases in this process (one call each on
     small zero tensors): fills Triton's on-disk cache for the timed run. Returns the count."""
+    sg.MAX_M = max([sg.MAX_M] + [m for _, _, m, _ in jobs])  # as the parent's main()
     for n, k, m, cfg in jobs:
         w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
@@ -171,6 +173,8 @@ def main() -> int:
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
+    # a sweep may try a row tile the runtime does not take
+    sg.MAX_M = max([sg.MAX_M] + [int(t) for t in args.tokens.split(",")])
     if args.fused:
         return fused_main(args)
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The project's Triton kernels (DESIGN §8), one module each, each tested by
 ``tests/kernels/test_<module>.py``:
 
-- ``skinny_gemm``: weight-streaming GEMM for at most 32 tokens, with the residual add +
+- ``skinny_gemm``: weight-streaming GEMM for at most 64 tokens, with the residual add +
   RMSNorm and SiLU-and-mul in its epilogues;
 - ``wide_gemm``: tile GEMMs with the same epilogues from 512 tokens;
 - ``fused_qkv``: the q/k head norms, RoPE and the KV-cache write of a layer in one launch;

@@ -1,4 +1,4 @@
-"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 128.
+"""Skinny GEMM for small token counts: ``y = x @ W.T (+ bias)`` with x ``[M, K]``, M <= 64.
 
 At batch 1 a denoise step multiplies 1-32 activation rows by every weight matrix, so each
 GEMM is bound by reading W (``N * K * 2`` bytes) once from HBM; the arithmetic is tiny. cuBLAS
@@ -8,10 +8,10 @@ and down shapes (H200 copy ceiling ~4.3 TB/s). This kernel is built to stream W:
 * **One program per (BLOCK_N slice of output columns, K split).** It reads its
   ``[BLOCK_N, K / SPLIT_K]`` slab of W once, in ``[BLOCK_N, BLOCK_K]`` tiles that are
   contiguous along K (16-byte vector loads; the row stride is K, a multiple of 16), and
-  produces those columns for *all* M rows. x is at most 32 x K and is re-read by every
+  produces those columns for *all* M rows. x is at most 64 x K and is re-read by every
   program from L1/L2, never from HBM in the steady state.
-* **Tensor cores with M padded to 16** (past 16 rows: to the next power of two). ``tl.dot`` needs every
-  dimension >= 16, so x is loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to
+* **Tensor cores with M padded to 16** (past 16 rows: to 32 or 64). ``tl.dot`` needs
+  every dimension >= 16, so x is loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to
   zero. With ``SWAP_AB`` the product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``):
   the large operand is the MMA's M side, which lets Triton use Hopper's wgmma for
   BLOCK_N >= 64. A broadcast multiply
@@ -42,13 +42,14 @@ MB of each weight prefetched into L2 and with an ``evict_first`` policy on the w
 **Determinism and row independence.** There are no atomics and no run-time autotuning: the
 configuration comes from a fixed table keyed on the device's compute capability, (N, K) and
 the row tile only (``CONFIGS`` for the 16-row tile, with a default heuristic for shapes not in
-it; ``ROWS32`` for the 32-row one), so the tiling, the K order and the split reduction are the
+it; ``ROW_TILES`` for the 32- and 64-row ones), so the tiling, the K order and the split reduction are the
 same for every M of a tile and every process on a device. The kernel is compiled once per
 configuration and tile, not per M (M is
 not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
 the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
 output is bit-identical whether it is computed alone or in a batch of up to 16 (and, within
-the 32-row tile, in a batch of 17 to 32; across the two tiles the MMA's N width differs).
+the 32-row tile, in a batch of 17 to 32, within the 64-row tile in one of 33 to 64; across
+tiles the MMA's N width, and the configuration, differ).
 
 The hot path is launch-only (one ``torch.empty`` for the output, one for the split-K partials),
 with no host syncs or data-dependent host logic, so it can be captured in a CUDA graph.
@@ -86,16 +87,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dllm.runner.kernels.hardware import num_sms, tuned
 
-__all__ = ["CONFIGS", "ROWS32", "SILU_CONFIGS", "SILU_ROWS32", "SkinnyConfig", "config_for",
-           "residual_operands_match", "silu_fused", "skinny_linear", "skinny_linear_residual", "supports",
-           "supports_residual"]
+__all__ = ["CONFIGS", "ROW_TILES", "ROWS32", "ROWS64", "SILU_CONFIGS", "SILU_ROWS32",
+           "SILU_ROWS64", "SkinnyConfig", "config_for", "residual_operands_match", "silu_fused",
+           "skinny_linear", "skinny_linear_residual", "supports", "supports_residual"]
 
 # Rows the kernel takes: 1-16 in a 16-row tile, 17-32 (a full-attention model's 32-token dual
-# window, SDAR's batch 8 at block 4) in a 32-row one, 33-64 and 65-128 (the prefix cache's
-# wider windows) in 64- and 128-row ones (``_block_m``). Past 16 rows ``supports`` takes only
-# the weight shapes of that tile's table (``ROW_TILES``); a benchmark sets ``MAX_M = 16`` for
-# its A/B runs.
-MAX_M = 128
+# window, SDAR's batch 8 at block 4) in a 32-row one, 33-64 (the dual window at batch 2, the
+# prefix cache's 64-token window) in a 64-row one (``_block_m``). Past 16 rows ``supports``
+# takes only the weight shapes of that tile's table (``ROW_TILES``); a benchmark sets
+# ``MAX_M = 16`` or ``32`` for its A/B runs, or raises it to sweep a 128-row tile: at 96 and
+# 128 rows cuBLAS was as fast or faster on every 8B and Dream-7B shape but one
+# (``skinny-gemm-20261203-060159``: the best configurations 0.75-1.04x its speed; the one
+# win, the 8B o_proj at 96 rows, needs a K split, which the residual step cannot take).
+MAX_M = 64
 _HALF = (torch.float16, torch.bfloat16)
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors (numpy); used by the tests only.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -144,7 +148,7 @@ SILU_CONFIGS: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
     },
 }
 
-# The same for the 32-row tile (past 16 rows; the shape must also be in ``ROWS32``). From
+# The same for the 32-row tile (17-32 rows; the shape must also be in ``ROWS32``). From
 # ``bench/kernels/skinny_gemm.py --fused --tokens 32 --silu-configs ...`` on the H200
 # (bench/NOTES.md, session 18): the 8B gate/up 52.9 µs (the 16-row tile's 3 stages: 56.1;
 # plain 50.7, plus a separate SiLU kernel of ~4 µs and its launch gap); Dream-7B's 68.5
@@ -157,7 +161,7 @@ SILU_ROWS32: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
 }
 
 
-# Compute capability -> the (N, K) weight shapes the kernel takes past 16 rows -> the
+# Compute capability -> the (N, K) weight shapes the kernel takes at 17-32 rows -> the
 # configuration of their 32-row tile (a tile of its own: its bits already differ from the
 # 16-row tile's). At 24-32 rows on the H200 (``bench/kernels/skinny_gemm.py --tokens 16,24,32``;
 # bench/NOTES.md, session 17) cuBLAS wins on qkv (15.8 µs against 18.7) and down (28.6
@@ -188,14 +192,16 @@ ROWS32: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
 # window, SDAR-8B's batch 16 at block 4). ``bench/kernels/skinny_gemm.py --sweep --tokens 48,64``
 # (``skinny-gemm-20261203-060115``): the least total time over 48 and 64 rows, unsplit where
 # the residual step rides the epilogue (it needs whole rows). At these rows the kernel ties
-# cuBLAS within ~1 µs, so a shape is listed where its fused neighbours repay it
-# (``skinny-fused-20261203-060959``, 64 rows, µs against cuBLAS): the 8B o_proj with the
+# cuBLAS within ~1-2 µs (0.87-1.07x), so a shape is listed where its fused neighbours repay
+# it (``skinny-fused-20261203-060959``, 64 rows, µs against cuBLAS): the 8B o_proj with the
 # residual step 13.6 against 12.6 plus an add + RMSNorm kernel (~3.2), gate/up with the norm
 # and SiLU 54.3 against 52.1 plus the norm and a SiLU kernel (~3.6), down with the residual
-# step 32.8 against 31.5 (its norm then rides q/k/v: 29.1 against 28.6); Dream-7B's o_proj
-# 11.4 against 10.0 and gate/up 72.0 against 74.8 (its SiLU stays a kernel: 77.9 at best
-# fused). Dream-7B's q/k/v (13.5 against 11.8) and down (45.0 against 40.4) stay with cuBLAS,
-# as at 32 rows.
+# step 32.8 against 31.5 (its norm then rides LLaDA-8B's q/k/v: 29.1 against 28.6; SDAR-8B's
+# and Qwen3-8B's q/k/v, 6144 x 4096, was not swept at 64 rows and stays with cuBLAS, which
+# then takes the norm from the stream: ~1 µs a layer lost there); Dream-7B's o_proj 11.4
+# against 10.0 and gate/up with the norm 72.0 against 74.8 (its SiLU stays a kernel: with
+# SiLU the best configuration took 77.9 without the norm, against 70.7 plain). Dream-7B's
+# q/k/v (13.5 against 11.8) and down (45.0 against 40.4) stay with cuBLAS, as at 32 rows.
 ROWS64: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
     (9, 0): {
         (4096, 4096): SkinnyConfig(32, 128, 1, 4, 5, False),  # o_proj
@@ -211,21 +217,27 @@ SILU_ROWS64: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {
         (24576, 4096): SkinnyConfig(64, 64, 1, 4, 4),
     },
 }
-# The 128-row tile (65-128 rows): no shape. At 96 and 128 rows cuBLAS won every 8B and Dream-7B
-# shape (``skinny-gemm-20261203-060159``: the best configurations 0.75-1.00x its speed).
-ROWS128: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {(9, 0): {}}
-SILU_ROWS128: dict[tuple[int, int], dict[tuple[int, int], SkinnyConfig]] = {(9, 0): {}}
 
-# Row tile -> the tables of the weight shapes the kernel takes at that tile (plain, SiLU).
-ROW_TILES = {32: (ROWS32, SILU_ROWS32), 64: (ROWS64, SILU_ROWS64),
-             128: (ROWS128, SILU_ROWS128)}
+# Row tile past 16 rows -> the tables of the weight shapes the kernel takes at that tile
+# (plain, SiLU); a tile not listed takes no shape.
+ROW_TILES = {32: (ROWS32, SILU_ROWS32), 64: (ROWS64, SILU_ROWS64)}
+
+
+def _tile_table(m: int, silu: bool, device: torch.device | str | None
+                ) -> dict[tuple[int, int], SkinnyConfig]:
+    """The (N, K) -> configuration table of ``m`` rows' tile on ``device`` (plain or SiLU):
+    the 16-row tile's up to 16 rows (``CONFIGS`` / ``SILU_CONFIGS``), else ``ROW_TILES``'
+    entry, empty for a tile it does not list."""
+    tile = _block_m(m)
+    if tile == 16:
+        return tuned(SILU_CONFIGS if silu else CONFIGS, device)
+    tables = ROW_TILES.get(tile)
+    return {} if tables is None else tuned(tables[silu], device)
 
 
 def _silu_config(rows: int, k: int, device: torch.device | None, m: int
                  ) -> SkinnyConfig | None:
-    tile = _block_m(m)
-    table = SILU_CONFIGS if tile == 16 else ROW_TILES[tile][1]
-    return tuned(table, device).get((rows, k))
+    return _tile_table(m, True, device).get((rows, k))
 
 
 def silu_fused(rows: int, k: int, device: torch.device | None = None, m: int = 1) -> bool:
@@ -237,7 +249,7 @@ def silu_fused(rows: int, k: int, device: torch.device | None = None, m: int = 1
 
 def _block_m(m: int) -> int:
     """The MMA's padded row count for ``m`` rows: 16 up to 16 rows, else the next power of
-    two (32, 64 or 128)."""
+    two (32 or 64 within ``MAX_M``)."""
     return 16 if m <= 16 else 1 << (m - 1).bit_length()
 
 
@@ -265,8 +277,7 @@ def config_for(n: int, k: int, device: torch.device | None = None, rows: int = 1
     """The configuration for an ``[n, k]`` weight on ``device`` (None: the reference device)
     at ``rows`` rows of x: the 16-row tile's up to 16 rows, past that the row tile's
     (``ROW_TILES``; the 16-row tile's configuration where that has no entry)."""
-    tile = _block_m(rows)
-    cfg = tuned(ROW_TILES[tile][0], device).get((n, k)) if tile > 16 else None
+    cfg = _tile_table(rows, False, device).get((n, k)) if rows > 16 else None
     if cfg is not None:
         return cfg
     cfg = tuned(CONFIGS, device).get((n, k))
@@ -278,7 +289,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     ok_device = x.is_cuda or (_INTERPRET and x.device.type == "cpu")
     return (ok_device and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_M
             and (x.shape[0] <= 16
-                 or tuple(weight.shape) in tuned(ROW_TILES[_block_m(x.shape[0])][0], x.device))
+                 or tuple(weight.shape) in _tile_table(x.shape[0], False, x.device))
             and x.dtype in _HALF and weight.dtype == x.dtype and x.device == weight.device
             and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0 and x.stride(1) == 1
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0

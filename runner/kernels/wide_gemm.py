@@ -33,7 +33,7 @@ batch 128, back to back on one machine: 14.77 ms a step against 15.01.
 K order and the partial sums' order fixed; a row's result depends only on that row (rows
 past M are never stored and never enter another row's sums). The tile shapes do differ from
 cuBLAS's and the skinny GEMM's, so a row is bit-identical across batch sizes only while they
-stay on one side of ``MIN_M`` (as between the skinny GEMM and cuBLAS at 32 rows).
+stay on one side of ``MIN_M`` (as between the skinny GEMM's row tiles and cuBLAS).
 """
 
 from __future__ import annotations
