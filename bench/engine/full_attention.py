@@ -206,18 +206,25 @@ def profile_kernels(e, prompts: list[list[int]], params, label: str, top: int = 
         e.drain()
         torch.cuda.synchronize()
     forwards = statistics.mean(r.num_forward_passes for r in reqs)
+    print_kernels(prof, forwards, "forward", f"{label}: {{ms:.3f}} ms of kernels a forward "
+                  f"({forwards:.0f} forwards)", top)
+
+
+def print_kernels(prof, per: float, unit: str, title: str, top: int) -> None:
+    """A profile's kernels by GPU time, ``per`` ``unit`` (a forward, a replay): the ``top``
+    ones and a row summing the rest, under ``title`` (``{ms}``: the total a ``unit``)."""
     events = [(getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0),
                ev.count, ev.key) for ev in prof.key_averages()]
     events = sorted((ev for ev in events if ev[0] > 0), reverse=True)
-    total = sum(us for us, _, _ in events)
-    print(f"\n{label}: {total / forwards / 1e3:.3f} ms of kernels a forward "
-          f"({forwards:.0f} forwards)\n| µs/forward | launches/forward | kernel |\n|---|---|---|")
+    total = sum(us for us, _, _ in events) / per
+    print(f"\n{title.format(ms=total / 1e3)}\n| µs/{unit} | launches/{unit} | kernel |\n"
+          "|---|---|---|")
     for us, count, key in events[:top]:
-        print(f"| {us / forwards:.1f} | {count / forwards:.2f} | {key[:110]} |")
+        print(f"| {us / per:.1f} | {count / per:.2f} | {key[:110]} |")
     rest = events[top:]
     if rest:
-        print(f"| {sum(us for us, _, _ in rest) / forwards:.1f} | "
-              f"{sum(c for _, c, _ in rest) / forwards:.2f} | the other {len(rest)} kernels |")
+        print(f"| {sum(us for us, _, _ in rest) / per:.1f} | "
+              f"{sum(c for _, c, _ in rest) / per:.2f} | the other {len(rest)} kernels |")
     print(flush=True)
 
 
@@ -239,22 +246,9 @@ def profile_windows(runner, bs: int, canvas: int, label: str, top: int, replays:
             for _ in range(replays):
                 g.graph.replay()
             torch.cuda.synchronize()
-        events = sorted(((getattr(ev, "self_device_time_total", 0)
-                          or getattr(ev, "self_cuda_time_total", 0), ev.count, ev.key)
-                         for ev in prof.key_averages()), reverse=True)
-        events = [ev for ev in events if ev[0] > 0]
-        total = sum(us for us, _, _ in events) / replays
         what = "canvas" if width == canvas else "window"
-        print(f"\n{label}, {what} of {width} tokens: {total / 1e3:.3f} ms of kernels a replay "
-              f"(replay {replay_us(g.graph) / 1e3:.3f} ms)\n"
-              "| µs/replay | launches/replay | kernel |\n|---|---|---|")
-        for us, count, key in events[:top]:
-            print(f"| {us / replays:.1f} | {count / replays:.2f} | {key[:110]} |")
-        rest = events[top:]
-        if rest:
-            print(f"| {sum(us for us, _, _ in rest) / replays:.1f} | "
-                  f"{sum(c for _, c, _ in rest) / replays:.2f} | the other {len(rest)} kernels |")
-    print(flush=True)
+        print_kernels(prof, replays, "replay", f"{label}, {what} of {width} tokens: {{ms:.3f}} "
+                      f"ms of kernels a replay (replay {replay_us(g.graph) / 1e3:.3f} ms)", top)
 
 
 def table(rows: list[dict]) -> str:

@@ -188,18 +188,14 @@ def test_configs(sg, case, n, k):
     for m in (1, 2, 7):
         y = sg.skinny_linear(x16[:m].clone(), w, b, config=cfg, out=_poisoned(m, n))
         assert torch.equal(y, y16[:m]), f"M={m} rows differ from the same rows in M=16"
-    x32 = torch.cat([x16, _x(16, k, seed=10)])  # the 32-row tile
-    y32 = sg.skinny_linear(x32, w, b, config=cfg, out=_poisoned(32, n))
-    ref32 = x32.double() @ w.double().T + b.double()
-    assert torch.isfinite(y32).all() and _rel(y32, ref32) < 1e-2
-    y20 = sg.skinny_linear(x32[:20].clone(), w, b, config=cfg, out=_poisoned(20, n))
-    assert torch.equal(y20, y32[:20])
-    x64 = torch.cat([x32, _x(32, k, seed=11)])  # the 64-row tile
-    y64 = sg.skinny_linear(x64, w, b, config=cfg, out=_poisoned(64, n))
-    ref64 = x64.double() @ w.double().T + b.double()
-    assert torch.isfinite(y64).all() and _rel(y64, ref64) < 1e-2
-    y40 = sg.skinny_linear(x64[:40].clone(), w, b, config=cfg, out=_poisoned(40, n))
-    assert torch.equal(y40, y64[:40])
+    x = x16
+    for tile, part, seed in ((32, 20, 10), (64, 40, 11)):  # the 32- and 64-row tiles
+        x = torch.cat([x, _x(tile // 2, k, seed=seed)])
+        y = sg.skinny_linear(x, w, b, config=cfg, out=_poisoned(tile, n))
+        ref = x.double() @ w.double().T + b.double()
+        assert torch.isfinite(y).all() and _rel(y, ref) < 1e-2
+        y_part = sg.skinny_linear(x[:part].clone(), w, b, config=cfg, out=_poisoned(part, n))
+        assert torch.equal(y_part, y[:part]), f"rows of M={part} differ from M={tile}"
 
 
 # --- the residual step split over two projections: skinny_linear_residual (epilogue: add the
