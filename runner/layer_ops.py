@@ -16,10 +16,11 @@ installed: the q/k head norms, RoPE and the KV-cache write of a layer as one lau
 (``fused_qkv``), and a weight-streaming GEMM for at most 16 tokens, and up to 64 for the
 shapes its row tiles list (``skinny_gemm``; cuBLAS splits K for some of those shapes and adds
 a reduction kernel) that also takes the residual add + RMSNorm before the q/k/v and gate/up
-projections and the SiLU-and-multiply after gate/up. From ``wide_gemm.MIN_M`` tokens (the batch-128 step) gate/up, and the output
-projections whose K is at most their N (o_proj; ``wide_gemm.residual_pays``), are
-``wide_gemm``'s kernels with the same fused neighbours; q/k/v and (in real models, whose MLP
-is wider than the hidden size) down stay with cuBLAS and FlashInfer's add + RMSNorm.
+projections and the SiLU-and-multiply after gate/up. From ``wide_gemm.MIN_M`` tokens (the
+batch-128 step) gate/up, and the output projections whose K is at most their N (o_proj;
+``wide_gemm.residual_pays``), are ``wide_gemm``'s kernels with the same fused neighbours;
+q/k/v and (in real models, whose MLP is wider than the hidden size) down stay with cuBLAS and
+FlashInfer's add + RMSNorm.
 The MoE routers are ``moe_route``'s kernel and, where the grouped MoE path is on, the routed
 experts ``fused_moe``'s (``DLLM_FUSED_MOE=0`` keeps the torch routers and ``grouped_mm``).
 """

@@ -697,7 +697,8 @@ def test_triton_ops_dream_mlp_at_32_and_64_rows(fuse_residual):
         res = torch.randn(m, hid, device=dev, dtype=torch.bfloat16)
         first, act, stream = run(block, x, res)
         _, r_act, r_stream = run(ref, x.float(), res.float())
-        o_skinny = m <= 16 or (hid, hid) in skinny_gemm.ROW_TILES[skinny_gemm._block_m(m)][0][(9, 0)]
+        tile = skinny_gemm._block_m(m)
+        o_skinny = m <= 16 or (hid, hid) in skinny_gemm.ROW_TILES[tile][0][(9, 0)]
         assert isinstance(first[0], PreNormed) == (fuse_residual and o_skinny)
         for got, want in ((act, r_act), (stream, r_stream)):
             assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2

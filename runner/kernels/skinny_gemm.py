@@ -11,8 +11,8 @@ and down shapes (H200 copy ceiling ~4.3 TB/s). This kernel is built to stream W:
   produces those columns for *all* M rows. x is at most 64 x K and is re-read by every
   program from L1/L2, never from HBM in the steady state.
 * **Tensor cores with M padded to 16** (past 16 rows: to 32 or 64). ``tl.dot`` needs
-  every dimension >= 16, so x is loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked to
-  zero. With ``SWAP_AB`` the product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``):
+  every dimension >= 16, so x is loaded as a ``[16, BLOCK_K]`` tile with the rows >= M masked
+  to zero. With ``SWAP_AB`` the product is formed as ``W_tile @ x_tile.T`` (``[BLOCK_N, 16]``):
   the large operand is the MMA's M side, which lets Triton use Hopper's wgmma for
   BLOCK_N >= 64. A broadcast multiply
   + ``tl.sum`` on the CUDA cores was rejected: at M = 16 it costs ``2 * 16 * N * K`` fp32 FMAs,
@@ -42,8 +42,8 @@ MB of each weight prefetched into L2 and with an ``evict_first`` policy on the w
 **Determinism and row independence.** There are no atomics and no run-time autotuning: the
 configuration comes from a fixed table keyed on the device's compute capability, (N, K) and
 the row tile only (``CONFIGS`` for the 16-row tile, with a default heuristic for shapes not in
-it; ``ROW_TILES`` for the 32- and 64-row ones), so the tiling, the K order and the split reduction are the
-same for every M of a tile and every process on a device. The kernel is compiled once per
+it; ``ROW_TILES`` for the 32- and 64-row ones), so the tiling, the K order and the split
+reduction are the same for every M of a tile and every process on a device. The kernel is compiled once per
 configuration and tile, not per M (M is
 not specialised), and row m's outputs depend only on row m of x: the padded rows are zeros that
 the MMA never mixes into other rows. So the same inputs give bit-identical outputs, and a row's
@@ -515,8 +515,8 @@ def skinny_linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """A projection that ends in the pre-norm decoder's residual step, with the next RMSNorm
     half done: ``y = F.linear(x, weight, bias)`` (rounded), the stream ``s = residual + y``
     (rounded), ``scaled = s * norm_weight`` (rounded) and the float32 partial sums of ``s²``,
-    ``[programs, 16]`` (one row per program's columns, 16 token slots; past 16 rows the row tile's). Returns
-    ``(s, scaled, sum_sq)``; ``skinny_linear(scaled, ..., sum_sq=sum_sq, eps=...)`` then
+    ``[programs, 16]`` (one row per program's columns, 16 token slots; past 16 rows the row
+    tile's). Returns ``(s, scaled, sum_sq)``; ``skinny_linear(scaled, ..., sum_sq=sum_sq, eps=...)`` then
     finishes the norm (``1 / rms(s)`` from the partials, in a fixed order) in its epilogue.
     The reference rounds ``s / rms(s)`` instead; the two agree within the dtype's rounding.
     Check ``supports_residual`` first."""

@@ -47,7 +47,7 @@ def _weights(n: int, k: int, seed: int):
 def _tile_takes(sg, n: int, k: int, m: int) -> bool:
     """Whether the dispatcher takes an ``[n, k]`` weight at ``m`` rows: every shape up to 16
     rows, past that only those of the row tile's table (the shapes measured to gain there)."""
-    return m <= 16 or (n, k) in sg.ROW_TILES[16 if m <= 16 else 32 if m <= 32 else 64][0][(9, 0)]
+    return m <= 16 or (n, k) in sg.ROW_TILES[32 if m <= 32 else 64][0][(9, 0)]
 
 
 def _x(m: int, k: int, seed: int, stride: int | None = None) -> torch.Tensor:
