@@ -121,10 +121,16 @@ def _unique(configs: list) -> list:
     return uniq
 
 
+def _allow_rows(rows) -> None:
+    """Raises the kernel's row limit to ``rows``' largest: a sweep may try a row tile the
+    runtime does not take."""
+    sg.MAX_M = max([sg.MAX_M, *rows])
+
+
 def _compile(jobs: list) -> int:
     """Compiles the kernels of ``(n, k, m, config)`` cases in this process (one call each on
     small zero tensors): fills Triton's on-disk cache for the timed run. Returns the count."""
-    sg.MAX_M = max([sg.MAX_M] + [m for _, _, m, _ in jobs])  # as the parent's main()
+    _allow_rows(m for _, _, m, _ in jobs)  # as the parent's main()
     for n, k, m, cfg in jobs:
         w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
@@ -173,8 +179,7 @@ def main() -> int:
     args = ap.parse_args()
     if not require_cuda(__file__):
         return 2
-    # a sweep may try a row tile the runtime does not take
-    sg.MAX_M = max([sg.MAX_M] + [int(t) for t in args.tokens.split(",")])
+    _allow_rows(int(t) for t in args.tokens.split(","))
     if args.fused:
         return fused_main(args)
     torch.manual_seed(0)

@@ -277,10 +277,7 @@ def config_for(n: int, k: int, device: torch.device | None = None, rows: int = 1
     """The configuration for an ``[n, k]`` weight on ``device`` (None: the reference device)
     at ``rows`` rows of x: the 16-row tile's up to 16 rows, past that the row tile's
     (``ROW_TILES``; the 16-row tile's configuration where that has no entry)."""
-    cfg = _tile_table(rows, False, device).get((n, k)) if rows > 16 else None
-    if cfg is not None:
-        return cfg
-    cfg = tuned(CONFIGS, device).get((n, k))
+    cfg = _tile_table(rows, False, device).get((n, k)) or tuned(CONFIGS, device).get((n, k))
     return cfg if cfg is not None else _default(n, k, num_sms(device))
 
 

@@ -44,10 +44,15 @@ def _weights(n: int, k: int, seed: int):
     return w, b
 
 
+def _tile(m: int) -> int:
+    """The row tile ``m`` rows take (written out, not asked of the module under test)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def _tile_takes(sg, n: int, k: int, m: int) -> bool:
     """Whether the dispatcher takes an ``[n, k]`` weight at ``m`` rows: every shape up to 16
     rows, past that only those of the row tile's table (the shapes measured to gain there)."""
-    return m <= 16 or (n, k) in sg.ROW_TILES[32 if m <= 32 else 64][0][(9, 0)]
+    return m <= 16 or (n, k) in sg.ROW_TILES[_tile(m)][0][(9, 0)]
 
 
 def _x(m: int, k: int, seed: int, stride: int | None = None) -> torch.Tensor:
@@ -114,10 +119,10 @@ def test_deterministic_and_row_independent(sg, n, k):
         y1 = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
         y2 = sg.skinny_linear(x, w, b, out=_poisoned(m, n))
         assert torch.equal(y1, y2), f"two runs differ at M={m}"
-        same = first[sg._block_m(m)]
+        tile = _tile(m)
+        same = first[tile]
         for i in range(min(m, len(same))):
             assert torch.equal(y1[i], same[i]), f"row {i} of M={m} differs"
-        tile = sg._block_m(m)
         if tile > 16 and m < tile:  # the rows past the smallest batch: as in the full tile
             assert torch.equal(y1, sg.skinny_linear(x64[:tile].clone(), w, b)[:m])
 
@@ -227,7 +232,7 @@ def test_residual_step_matches_reference(sg, n, k, n2, silu):
         y = sg.skinny_linear(x, w1, b1)
         assert torch.equal(s, (y.float() + r.float()).to(DTYPE))
         assert torch.equal(scaled, (s.float() * nw.float()).to(DTYPE))
-        assert sum_sq.dtype == torch.float32 and sum_sq.shape[1] == (16 if m <= 16 else 32 if m <= 32 else 64)
+        assert sum_sq.dtype == torch.float32 and sum_sq.shape[1] == _tile(m)
         torch.testing.assert_close(sum_sq.sum(0)[:m], s.float().pow(2).sum(-1), rtol=1e-5,
                                    atol=0)
         assert not sum_sq[:, m:].any(), "token slots past M hold zeros"
