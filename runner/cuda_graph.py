@@ -110,13 +110,26 @@ class CudaGraphRunner(Runner):
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, Hashable], _Graph] = {}
         self.failed: set[tuple[int, int, Hashable]] = set()  # out of memory at capture
+        self.warned_rows = False  # a batch above the largest size was logged
         self._loaded: _Graph | PostStep | None = None
         self.last_replayed: _Graph | None = None  # for profiling (bench/engine/offline.py)
+
+    @property
+    def name(self) -> str:
+        return "cuda_graph" if self.capture else "eager"
 
     # ---- Runner interface ------------------------------------------------------------
     def _shape(self, batch: ScheduledBatch) -> tuple[int, int, Hashable] | None:
         """``(padded rows, tokens per row, key)`` of the graph that would run ``batch``."""
-        if batch.mode is not self.mode or not self.sizes or batch.batch_size > self.sizes[-1]:
+        if batch.mode is not self.mode or not self.sizes:
+            return None
+        if batch.batch_size > self.sizes[-1]:
+            if not self.warned_rows:  # once: every such batch pays the eager launches
+                self.warned_rows = True
+                logger.warning("CUDA graphs: a batch of %d rows is above the largest captured "
+                               "size (%d rows) and runs eagerly; --cuda-graph-max-bs raises "
+                               "it (a merged commit takes two rows a request)",
+                               batch.batch_size, self.sizes[-1])
             return None
         window = batch.block_size if self.mode is ForwardMode.DLLM_EXTEND else 1
         # Whole windows only: a merged commit row (2·block_size tokens) runs eagerly.

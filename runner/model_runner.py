@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -116,7 +117,10 @@ class RunnerConfig:
 
 
 class Runner(ABC):
-    """The interface shared by ``EagerRunner`` and ``CudaGraphRunner``."""
+    """The interface shared by ``EagerRunner`` and ``CudaGraphRunner``. ``name``: how its
+    forwards run, ``"cuda_graph"`` (a graph replayed) or ``"eager"``."""
+
+    name = "eager"
 
     @abstractmethod
     def can_run(self, batch: ScheduledBatch) -> bool: ...
@@ -130,7 +134,9 @@ class Runner(ABC):
 
 class ModelRunner:
     """Owns the model, the memory pools, the attention backend and the runners of one rank.
-    ``register_inputs(registry)`` declares the post-steps' per-row inputs."""
+    ``register_inputs(registry)`` declares the post-steps' per-row inputs. ``forward_counts``
+    counts the forwards run, by ``(Runner.name, StepKind)``: e.g. the denoise steps that fell
+    back to the eager runner because no graph took their shape."""
 
     def __init__(self, config: RunnerConfig, steps: dict[StepKind, StepSpec],
                  register_inputs: Callable[[InputRegistry], None]):
@@ -162,6 +168,7 @@ class ModelRunner:
         register_inputs(self.registry)
         self.eager = EagerRunner(self)
         self.runners: list[Runner] = [self.eager]
+        self.forward_counts: Counter[tuple[str, StepKind]] = Counter()
 
     # ---- setup -------------------------------------------------------------------------
     def _init_memory(self) -> None:
@@ -321,6 +328,7 @@ class ModelRunner:
                 and len(batch.state_read_slots) != batch.batch_size):
             raise ValueError("a batch of a hybrid model needs the state slots of every row")
         runner = next(r for r in self.runners if r.can_run(batch))
+        self.forward_counts[runner.name, batch.kind] += 1
         if self.dp.size == 1:
             return runner.execute(runner.load_batch(batch), post)
         self.dp.begin()

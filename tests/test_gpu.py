@@ -14,7 +14,13 @@ import torch
 from dllm import LLM, SamplingParams
 from dllm.models.attention import AttentionLayer
 from dllm.runner.attention.sdpa import SDPABackend
-from dllm.runner.forward_batch import AttentionMask, ForwardBatch, ForwardMode, LogitsMode
+from dllm.runner.forward_batch import (
+    AttentionMask,
+    ForwardBatch,
+    ForwardMode,
+    LogitsMode,
+    StepKind,
+)
 from dllm.runner.memory import ReqToTokenPool, TokenToKVPool
 from dllm.testing import make_tiny_checkpoint
 
@@ -147,6 +153,10 @@ def test_cuda_graph_equals_eager_block_diffusion(sdar_gpu, algorithm, overlap):
     eager = LLM(sdar_gpu, disable_cuda_graph=True, **kw)
     assert not eager.engine.runner.runners[0].capture  # the same padded batches, no graph
     outs = graph.generate(prompts(11), params)
+    counts = graph.engine.runner.forward_counts
+    # every denoise step a replay, merged commits included; prompts run eagerly
+    assert counts["cuda_graph", StepKind.DENOISE] > 0
+    assert {k for k in counts if k[0] == "eager"} == {("eager", StepKind.PREFILL)}
     got = [o.token_ids for o in outs]
     want = [o.token_ids for o in eager.generate(prompts(11), params)]
     assert got == want
@@ -175,6 +185,24 @@ def test_merged_commit_batch_replays_a_graph(sdar_gpu):
     assert isinstance(runner, CudaGraphRunner) and runner.can_run(batch)
     e.abort(req.rid)
     e.check_memory()
+
+
+def test_rows_above_the_largest_size_run_eagerly_and_say_so(sdar_gpu, caplog):
+    """Capped at 2 rows, two requests' merged commits (4 rows) fall back to the eager runner:
+    counted in ``forward_counts`` and logged once; their other denoise steps replay."""
+    llm = LLM(sdar_gpu, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=2, cuda_graph_max_bs=2, overlap_schedule=False,
+              algorithm="low_confidence_static")
+    assert llm.engine.runner.runners[0].sizes == [1, 2]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)  # 3 blocks of 4, one a step
+    with caplog.at_level("WARNING", logger="dllm.runner.cuda_graph"):
+        outs = llm.generate(prompts(2), [params, params])
+    assert all(len(o.token_ids) == 12 for o in outs)
+    counts = llm.engine.runner.forward_counts
+    assert counts["eager", StepKind.DENOISE] > 0 and counts["cuda_graph", StepKind.DENOISE] > 0
+    said = [r.getMessage() for r in caplog.records if "above the largest" in r.getMessage()]
+    assert len(said) == 1 and "captured size (2 rows) and runs eagerly" in said[0]
+    llm.engine.check_memory()
 
 
 def test_graph_captured_on_first_use_equals_eager(sdar_gpu):

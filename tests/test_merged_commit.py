@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dllm import LLM, SamplingParams
-from dllm.runner.forward_batch import ForwardMode, LogitsMode
+from dllm.runner.forward_batch import ForwardMode, LogitsMode, StepKind
 from dllm.testing import make_tiny_checkpoint
 from dllm.testing.factory import make_tiny_hybrid_checkpoint
 from dllm.testing.harness import forbid_host_sync, run_staggered
@@ -166,7 +166,8 @@ def test_overlap_schedule_gives_the_same_tokens(paths, family) -> None:
 
 def test_one_token_per_step_saves_one_forward_a_block(paths) -> None:
     """SDAR block 4, one token per step: 4 forwards a block instead of 5 (the last block
-    ends the request and needs no commit either way)."""
+    ends the request and needs no commit either way); the runner counts the same forwards
+    (``ModelRunner.forward_counts``: here all eager, on the CPU)."""
     p = prompt(8, 3)  # two full prompt blocks: one prefill forward
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True,
                         dllm={"algorithm": "low_confidence_static", "steps_per_block": 4})
@@ -174,7 +175,13 @@ def test_one_token_per_step_saves_one_forward_a_block(paths) -> None:
         outs = {}
         for merged in (True, False):
             llm = engine(paths["SDARForCausalLM"], merged, cache=False, overlap=overlap)
+            before = llm.engine.runner.forward_counts.copy()
             outs[merged] = llm.generate(p, sp)[0]
+            ran = llm.engine.runner.forward_counts - before
+            # overlapped: the last block's final step is in flight when the next step is
+            # queued, so the request rides one more forward, not its own (it has finished)
+            assert ran == {("eager", StepKind.PREFILL): 1, ("eager", StepKind.DENOISE):
+                           outs[merged].num_forward_passes - 1 + overlap}
         new, old = outs[True], outs[False]
         assert new.token_ids == old.token_ids and len(new.token_ids) == 16
         assert old.num_forward_passes == 1 + 4 * 4 + 3
