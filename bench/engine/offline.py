@@ -23,8 +23,10 @@ before nvidia-smi answered); the ratio to the burst rate (the first 10 matmuls o
 at its boost clock) is printed beside it. MoE weight floors count every expert the step's
 tokens could reach (``min(E, tokens x k)``); with ``--count-experts`` an eager run of the same
 workload counts the distinct experts each MoE layer's forward actually routes to, and
-``reached floor`` reads only those. A graph case whose batch size was not captured (out
-of memory) is reported as failed, not timed eagerly.
+``reached floor`` reads only those. Graphs are captured as the engine's defaults do (up to
+two rows a request: a merged commit runs the resolved block and the next one as two rows); a
+graph case any of whose timed forwards ran eagerly (a shape not captured, e.g. out of memory)
+is reported as failed, not timed.
 Writes ``bench/results/offline-*.md`` and ``.json`` with the GPU name, driver, torch and
 flashinfer versions.
 """
@@ -32,6 +34,7 @@ flashinfer versions.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import sys
@@ -168,7 +171,7 @@ def warm_engine(path: str, bs: int, graph: bool, backend: str, prompt_len: int, 
 
     llm = LLM(path, load_format="dummy", dtype="bfloat16", device="cuda",
               attention_backend=backend, disable_cuda_graph=not graph,
-              max_running_requests=bs, cuda_graph_max_bs=bs, context_length=4096,
+              max_running_requests=bs, context_length=4096,
               algorithm="low_confidence_static", page_size=16, kv_cache_memory_gb=20,
               enable_prefix_cache=False)  # its hybrid state snapshots would take slots
     e = llm.engine
@@ -235,6 +238,7 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     per_req = 2 * steps * (b if diffusion else 1) + 2 * b
     # The same warm engine, the host loop plain then overlapped (``Engine.overlap``).
     walls = {}
+    counts = e.runner.forward_counts.copy()
     for overlap in (False, True):
         e.drain()
         e.overlap = overlap
@@ -257,13 +261,26 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
     in_time = clock.finished()
     e.drain()
     sm_mhz = clock.mhz() if in_time else float("nan")
-    if graph and bs > e.runner.runners[0].sizes[-1]:
-        raise RuntimeError(f"batch {bs} was not captured (out of memory): its steps ran eagerly")
+    # Every timed forward a graph replay, merged commits (two rows a request) included: a
+    # shape not captured (out of memory, or above --cuda-graph-max-bs) would time the eager
+    # runner's Python launches instead.
+    eager = sum(n for (name, _), n in (e.runner.forward_counts - counts).items()
+                if name == "eager")
+    if graph and eager:
+        raise RuntimeError(f"batch {bs}: {eager} of the timed forwards ran eagerly (a shape "
+                           "not captured)")
     if len(e.scheduler.running) != bs:
         raise RuntimeError("a request ended inside the timed steps")
     dt = walls[True]
-    replay_ms = _replay_ms(e) if graph else float("nan")
-    tokens = bs * (b if diffusion else 1)
+    # The replay of a step of bs rows, and of one where every request's commit half rides
+    # (2·bs rows), on the device alone.
+    replay_ms = _replay_ms(e, bs) if graph else float("nan")
+    sizes = list(e.runner.runners[0].sizes) if graph else []  # captured (an OOM drops some)
+    merged_ms = (_replay_ms(e, 2 * bs) if graph and diffusion and e.merged_commit
+                 else float("nan"))
+    # Query tokens a step, on average: with merged commits a block's b steps carry b + 1
+    # blocks of tokens (its commit half rides in the next block's first step).
+    tokens = bs * ((b + 1 if e.merged_commit else b) if diffusion else 1)
     byts, flops = step_costs(e.model, tokens, prompt_len + per_req // 2, shape, bs)
     reached_bytes = (step_costs(e.model, tokens, prompt_len + per_req // 2, shape, bs,
                                 reached)[0] if reached is not None else float("nan"))
@@ -283,17 +300,24 @@ def bench_case(name: str, path: str, bs: int, graph: bool, backend: str, prompt_
                 x_weight_floor=dt / floor_bw, x_matmul_floor=dt / floor_mm,
                 x_matmul_floor_burst=dt / (flops / ceilings["bf16_flops_per_s_burst"]),
                 sm_mhz=sm_mhz,
-                tokens_per_step=tokens, graph_replay_ms=replay_ms,
+                tokens_per_step=tokens, graph_replay_ms=replay_ms, merged_replay_ms=merged_ms,
+                graph_sizes=sizes,
                 reached_experts=reached if reached is not None else float("nan"),
                 reached_floor_ms=reached_bytes / ceilings["hbm_bytes_per_s"] * 1e3,
                 x_reached_floor=dt / (reached_bytes / ceilings["hbm_bytes_per_s"]))
 
 
-def _replay_ms(engine) -> float:
-    """GPU time of the captured step alone (the last graph replayed), without the host work
+def _replay_ms(engine, rows: int) -> float:
+    """GPU time of the captured step of ``rows`` rows alone (the graph of the last replayed
+    step's window and key, at the size ``rows`` pads to; nan if none), without the host work
     around it (scheduling, registry copies, FlashInfer planning, the result read)."""
     graphs = engine.runner.runners[0]
-    g = getattr(graphs, "last_replayed", None)
+    last = getattr(graphs, "last_replayed", None)
+    i = bisect.bisect_left(graphs.sizes, rows)
+    if last is None or i == len(graphs.sizes):
+        return float("nan")
+    _, window, key = next(shape for shape, g in graphs.graphs.items() if g is last)
+    g = graphs.graphs.get((graphs.sizes[i], window, key))
     if g is None:
         return float("nan")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -308,15 +332,16 @@ def _replay_ms(engine) -> float:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | batch | runner | attention | step ms | step ms, no overlap | "
-            "graph replay ms | out tok/s | "
+            "graph replay ms | merged replay ms | out tok/s | "
             "weight floor ms | × weight floor | matmul floor ms | × matmul floor | "
             "× burst matmul floor | SM MHz | experts reached | reached floor ms | "
             "× reached floor |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['model']} | {r['batch']} | {r['runner']} | {r['backend']} | {r['step_ms']:.2f} | "
         f"{r.get('plain_step_ms', float('nan')):.2f} | "
         f"{r.get('graph_replay_ms', float('nan')):.2f} | "
+        f"{r.get('merged_replay_ms', float('nan')):.2f} | "
         f"{r['output_tok_s']:.0f} | {r['weight_read_floor_ms']:.2f} | {r['x_weight_floor']:.2f} "
         f"| {r['matmul_floor_ms']:.2f} | {r['x_matmul_floor']:.2f} | "
         f"{r.get('x_matmul_floor_burst', float('nan')):.2f} | {r.get('sm_mhz', float('nan')):.0f} | "
