@@ -167,6 +167,26 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous().view(torch.int32).to(torch.int64)
 
 
+# The unmasking step's vocabulary passes make tensors of [positions, vocab] (the sampler's
+# counter hashes in int64, float32 probabilities): over a wide batch the step's largest
+# allocations, which a CUDA graph of that batch keeps for good. Rows pass through the
+# algorithm in groups of at most this many positions; a row's result does not depend on the
+# other rows', so the tokens are the same.
+POST_CHUNK_POSITIONS = 2048
+
+
+def _put(dst: torch.Tensor | None, at: slice | torch.Tensor | None,
+         src: torch.Tensor) -> torch.Tensor:
+    """``src`` written into the rows ``at`` of ``dst`` (``at`` None: ``src`` is every row)."""
+    if at is None:
+        return src
+    if isinstance(at, slice):
+        dst[at] = src
+    else:
+        dst.index_copy_(0, at, src)
+    return dst
+
+
 class DenoisePost:
     """Runs on the device right after the forward, with no host synchronisation: every
     per-row input comes from the runner's static registry (``fb.extras``). ``groups`` maps
@@ -231,41 +251,45 @@ class DenoisePost:
         # Traced batches: each row's confidence (NaN where its algorithm reports none).
         conf = (torch.full((bs, b), float("nan"), device=logits.device)
                 if self.trace is not None else None)
+        per = max(1, POST_CHUNK_POSITIONS // b)  # rows a pass
         for name, rows in self.groups.items():
             algo = get_algorithm(name)
-            # One algorithm for the whole batch (always so in a CUDA graph): no gather.
-            idx = None if len(rows) == bs else torch.tensor(rows, dtype=torch.int64,
-                                                            device=logits.device)
+            for lo in range(0, len(rows), per):
+                part = rows[lo:lo + per]
+                # The whole batch in one pass (a CUDA graph's usual case): no gather; a run of
+                # rows: a slice; else a gather.
+                at: slice | torch.Tensor | None = (
+                    None if len(part) == bs else
+                    slice(part[0], part[-1] + 1) if part[-1] - part[0] + 1 == len(part) else
+                    torch.tensor(part, dtype=torch.int64, device=logits.device))
 
-            def take(t: torch.Tensor, idx: torch.Tensor | None = idx) -> torch.Tensor:
-                return t if idx is None else t.index_select(0, idx)
+                def take(t: torch.Tensor, at: slice | torch.Tensor | None = at) -> torch.Tensor:
+                    return (t if at is None else t[at] if isinstance(at, slice)
+                            else t.index_select(0, at))
 
-            x = DenoiseInput(
-                logits=take(logits), tokens=take(full["tokens"]),
-                editable=take(full["editable"]), mask_id=self.mask_token_id,
-                step=take(full["step"]), num_initial_masks=take(full["num_initial_masks"]),
-                positions=take(full["positions"]),
-                sampling=SamplingTensors(*(take(full[k]) for k in (
-                    "temperature", "top_k", "top_p", "seed")), *self.flags),
-                config={k: take(full[f"cfg.{k}"]).to(KEY_SPECS[k].dtype) for k in algo.defaults},
-                state={k: take(full[f"state.{k}"]) for k in algo.state_keys},
-                block_len=take(full["fd.block_len"]) if "fd.block_len" in full else None,
-            )
-            out = algo.step(x)
-            if conf is not None and out.confidence is not None:
-                c = out.confidence() if callable(out.confidence) else out.confidence
-                conf = c.float() if idx is None else conf.index_copy(0, idx, c.float())
-            if idx is None:
-                out_tokens, done = out.tokens, out.done.to(torch.int64)
-                transferred = out.num_transferred.to(torch.int64)
-                states.update(out.state)
-                continue
-            out_tokens.index_copy_(0, idx, out.tokens)
-            done.index_copy_(0, idx, out.done.to(torch.int64))
-            transferred.index_copy_(0, idx, out.num_transferred.to(torch.int64))
-            for k, v in out.state.items():
-                states.setdefault(k, torch.zeros(bs, dtype=v.dtype, device=v.device))
-                states[k].index_copy_(0, idx, v)
+                x = DenoiseInput(
+                    logits=take(logits), tokens=take(full["tokens"]),
+                    editable=take(full["editable"]), mask_id=self.mask_token_id,
+                    step=take(full["step"]), num_initial_masks=take(full["num_initial_masks"]),
+                    positions=take(full["positions"]),
+                    sampling=SamplingTensors(*(take(full[k]) for k in (
+                        "temperature", "top_k", "top_p", "seed")), *self.flags),
+                    config={k: take(full[f"cfg.{k}"]).to(KEY_SPECS[k].dtype)
+                            for k in algo.defaults},
+                    state={k: take(full[f"state.{k}"]) for k in algo.state_keys},
+                    block_len=take(full["fd.block_len"]) if "fd.block_len" in full else None,
+                )
+                out = algo.step(x)
+                if conf is not None and out.confidence is not None:
+                    c = out.confidence() if callable(out.confidence) else out.confidence
+                    conf = _put(conf, at, c.float())
+                out_tokens = _put(out_tokens, at, out.tokens)
+                done = _put(done, at, out.done.to(torch.int64))
+                transferred = _put(transferred, at, out.num_transferred.to(torch.int64))
+                for k, v in out.state.items():
+                    if at is not None:
+                        states.setdefault(k, v.new_zeros((bs, *v.shape[1:])))
+                    states[k] = _put(states.get(k), at, v)
         packed = torch.cat([out_tokens, done[:, None], transferred[:, None],
                             next_token[:, None]], dim=1)
         if conf is not None:

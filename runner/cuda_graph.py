@@ -128,8 +128,8 @@ class CudaGraphRunner(Runner):
                 self.warned_rows = True
                 logger.warning("CUDA graphs: a batch of %d rows is above the largest captured "
                                "size (%d rows) and runs eagerly; --cuda-graph-max-bs raises "
-                               "it (a merged commit takes two rows a request)",
-                               batch.batch_size, self.sizes[-1])
+                               "it (a merged commit or a CFG twin is a second row of its "
+                               "request)", batch.batch_size, self.sizes[-1])
             return None
         window = batch.block_size if self.mode is ForwardMode.DLLM_EXTEND else 1
         # Whole windows only: a merged commit row (2·block_size tokens) runs eagerly.

@@ -256,6 +256,33 @@ def test_denoise_step_has_no_host_sync(llm):
     e.check_memory()
 
 
+def test_unmasking_in_row_passes_gives_the_same_tokens(sdar_dir, monkeypatch):
+    """``DenoisePost`` runs each algorithm's rows in passes of at most
+    ``POST_CHUNK_POSITIONS`` positions (bounding its [positions, vocab] temporaries): one row
+    a pass, and two, give every request the tokens and log-probabilities of one pass, for
+    every algorithm, greedy and sampled, in one batch. (No prefix cache: a prompt served
+    from it is not recomputed, which may move a log-probability by a rounding.)"""
+    import dllm.denoise
+
+    llm = LLM(sdar_dir, max_running_requests=16, page_size=4, enable_prefix_cache=False)
+
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, seed=i, logprobs=2,
+                             temperature=0.7 * (i % 2),
+                             dllm={"algorithm": a, **ALGORITHMS[a]})
+              for i, a in enumerate(sorted(ALGORITHMS) * 2)]
+    prompts = [prompt_of(3 + 2 * i, salt=9) for i in range(len(params))]
+
+    def run() -> list:
+        return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+
+    want = run()
+    b = llm.engine.block_size
+    for positions in (1, 2 * b):
+        monkeypatch.setattr(dllm.denoise, "POST_CHUNK_POSITIONS", positions)
+        assert run() == want
+    llm.engine.check_memory()
+
+
 def test_num_forward_passes_and_token_ids(llm):
     out = llm.generate(prompt_of(8), SamplingParams(
         max_new_tokens=8, ignore_eos=True,

@@ -188,8 +188,9 @@ def test_merged_commit_batch_replays_a_graph(sdar_gpu):
 
 
 def test_rows_above_the_largest_size_run_eagerly_and_say_so(sdar_gpu, caplog):
-    """Capped at 2 rows, two requests' merged commits (4 rows) fall back to the eager runner:
-    counted in ``forward_counts`` and logged once; their other denoise steps replay."""
+    """Capped at 2 rows, a step with two requests' merged commits (3 or 4 rows) falls back to
+    the eager runner: counted in ``forward_counts`` and logged once; the other denoise steps
+    replay."""
     llm = LLM(sdar_gpu, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
               max_running_requests=2, cuda_graph_max_bs=2, overlap_schedule=False,
               algorithm="low_confidence_static")
@@ -203,6 +204,25 @@ def test_rows_above_the_largest_size_run_eagerly_and_say_so(sdar_gpu, caplog):
     said = [r.getMessage() for r in caplog.records if "above the largest" in r.getMessage()]
     assert len(said) == 1 and "captured size (2 rows) and runs eagerly" in said[0]
     llm.engine.check_memory()
+
+
+def test_cuda_graph_in_row_passes_equals_eager_and_one_pass(sdar_gpu, monkeypatch):
+    """The unmasking step in passes of two rows (``POST_CHUNK_POSITIONS`` = 8 positions of
+    block 4) inside the captured graphs: graph replays equal eager steps, and both equal the
+    one-pass step, token for token, greedy and sampled rows in one batch."""
+    import dllm.denoise
+
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+              max_running_requests=16, algorithm="low_confidence_static",
+              overlap_schedule=False, enable_prefix_cache=False)
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.7 * (i % 2),
+                             seed=i) for i in range(11)]
+    one_pass = [o.token_ids for o in LLM(sdar_gpu, **kw).generate(prompts(11), params)]
+    monkeypatch.setattr(dllm.denoise, "POST_CHUNK_POSITIONS", 8)
+    graph = [o.token_ids for o in LLM(sdar_gpu, **kw).generate(prompts(11), params)]
+    eager = LLM(sdar_gpu, disable_cuda_graph=True, **kw).generate(prompts(11), params)
+    assert graph == [o.token_ids for o in eager]
+    assert graph == one_pass
 
 
 def test_graph_captured_on_first_use_equals_eager(sdar_gpu):
