@@ -34,7 +34,9 @@ commit's result (it holds the next block's first token): one step more per block
 commits, a request whose in-flight forward is *sure* to finish its block (the algorithm's
 fixed schedule ends at that step: ``UnmaskingAlgorithm.surely_done``) is merged already, its
 commit half carried from that forward's output; otherwise the
-commit stays the forward queued on the resolved block, as described above.
+commit stays the forward queued on the resolved block, as described above. A request whose
+in-flight forward is sure to resolve its last block takes no row in the next forward: it ends
+when that result is read (``surely_finishes``).
 
 Memory for a request's whole reserved length is taken at admission, so a running request never
 waits for memory and never fails for it.
@@ -125,8 +127,21 @@ class BlockDiffusionScheduler(Scheduler):
         sure to finish it (its algorithm's fixed schedule ends there), so the next forward
         may be its merged commit before the host reads the result; and the next block lies
         inside the request's reservation."""
-        if not (self.merged_commit and req.inflight == 1 and blk.carry is not None
-                and not blk.resolved and blk.start + 2 * req.block_size <= req.reserved_len):
+        return (self.merged_commit and blk.start + 2 * req.block_size <= req.reserved_len
+                and self._in_flight_resolves(req, blk))
+
+    def surely_finishes(self, req: Req, blk: BlockState) -> bool:
+        """Under the overlap schedule: whether the forward in flight on ``blk`` is sure to
+        resolve it and ``blk`` is the request's last block (its final tokens reach
+        ``max_new_tokens``): the request ends when that result is read, so it takes no row in
+        the next forward (it would ride one whose result nobody reads)."""
+        return (blk.start + 2 * req.block_size > req.reserved_len
+                and self._in_flight_resolves(req, blk))
+
+    @staticmethod
+    def _in_flight_resolves(req: Req, blk: BlockState) -> bool:
+        """The one forward in flight on ``blk`` is its fixed schedule's last step."""
+        if not (req.inflight == 1 and blk.carry is not None and not blk.resolved):
             return False
         algo = get_algorithm(req.denoise.algorithm)
         return not algo.edits and algo.surely_done(req.denoise.algo_config, blk.step - 1)
@@ -233,6 +248,8 @@ class BlockDiffusionScheduler(Scheduler):
                 commit, blk = blk, None  # committed in this row, before the next block
             elif blk is not None and self.surely_resolves(req, blk):
                 commit, blk = blk, self._next_block(req, blk)
+            elif blk is not None and self.surely_finishes(req, blk):
+                continue
             if blk is None:
                 if self.logits_shift and req.inflight:
                     continue  # the prefill's result holds the block's first token

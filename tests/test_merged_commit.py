@@ -167,7 +167,8 @@ def test_overlap_schedule_gives_the_same_tokens(paths, family) -> None:
 def test_one_token_per_step_saves_one_forward_a_block(paths) -> None:
     """SDAR block 4, one token per step: 4 forwards a block instead of 5 (the last block
     ends the request and needs no commit either way); the runner counts the same forwards
-    (``ModelRunner.forward_counts``: here all eager, on the CPU)."""
+    (``ModelRunner.forward_counts``: here all eager, on the CPU), under the overlap schedule
+    too."""
     p = prompt(8, 3)  # two full prompt blocks: one prefill forward
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True,
                         dllm={"algorithm": "low_confidence_static", "steps_per_block": 4})
@@ -178,10 +179,10 @@ def test_one_token_per_step_saves_one_forward_a_block(paths) -> None:
             before = llm.engine.runner.forward_counts.copy()
             outs[merged] = llm.generate(p, sp)[0]
             ran = llm.engine.runner.forward_counts - before
-            # overlapped: the last block's final step is in flight when the next step is
-            # queued, so the request rides one more forward, not its own (it has finished)
-            assert ran == {("eager", StepKind.PREFILL): 1, ("eager", StepKind.DENOISE):
-                           outs[merged].num_forward_passes - 1 + overlap}
+            # overlapped too: the forward in flight on the last block is sure to end the
+            # request, which takes no row in the next one (``surely_finishes``)
+            assert ran == {("eager", StepKind.PREFILL): 1,
+                           ("eager", StepKind.DENOISE): outs[merged].num_forward_passes - 1}
         new, old = outs[True], outs[False]
         assert new.token_ids == old.token_ids and len(new.token_ids) == 16
         assert old.num_forward_passes == 1 + 4 * 4 + 3
