@@ -170,8 +170,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # The unmasking step's vocabulary passes make tensors of [positions, vocab] (the sampler's
 # counter hashes in int64, float32 probabilities): over a wide batch the step's largest
 # allocations, which a CUDA graph of that batch keeps for good. Rows pass through the
-# algorithm in groups of at most this many positions; a row's result does not depend on the
-# other rows', so the tokens are the same.
+# algorithm in groups of at most this many positions (one row a pass if a row has more); a
+# row's result does not depend on the other rows', so the tokens are the same. A traced
+# batch's trace columns (``_trace``) still read every position at once.
 POST_CHUNK_POSITIONS = 2048
 
 
@@ -256,8 +257,8 @@ class DenoisePost:
             algo = get_algorithm(name)
             for lo in range(0, len(rows), per):
                 part = rows[lo:lo + per]
-                # The whole batch in one pass (a CUDA graph's usual case): no gather; a run of
-                # rows: a slice; else a gather.
+                # The whole batch in one pass: no gather; a run of rows (a wide graph's
+                # passes): a slice; else a gather.
                 at: slice | torch.Tensor | None = (
                     None if len(part) == bs else
                     slice(part[0], part[-1] + 1) if part[-1] - part[0] + 1 == len(part) else

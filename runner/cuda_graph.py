@@ -124,12 +124,13 @@ class CudaGraphRunner(Runner):
         if batch.mode is not self.mode or not self.sizes:
             return None
         if batch.batch_size > self.sizes[-1]:
-            if not self.warned_rows:  # once: every such batch pays the eager launches
+            if self.capture and not self.warned_rows:  # once: each such batch runs eagerly
                 self.warned_rows = True
                 logger.warning("CUDA graphs: a batch of %d rows is above the largest captured "
-                               "size (%d rows) and runs eagerly; --cuda-graph-max-bs raises "
-                               "it (a merged commit or a CFG twin is a second row of its "
-                               "request)", batch.batch_size, self.sizes[-1])
+                               "size (%d rows) and runs eagerly (a merged commit or a CFG twin "
+                               "is a second row of its request); --cuda-graph-max-bs or "
+                               "--cuda-graph-bs captures larger batches, up to 256 rows",
+                               batch.batch_size, self.sizes[-1])
             return None
         window = batch.block_size if self.mode is ForwardMode.DLLM_EXTEND else 1
         # Whole windows only: a merged commit row (2·block_size tokens) runs eagerly.

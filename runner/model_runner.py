@@ -135,8 +135,9 @@ class Runner(ABC):
 class ModelRunner:
     """Owns the model, the memory pools, the attention backend and the runners of one rank.
     ``register_inputs(registry)`` declares the post-steps' per-row inputs. ``forward_counts``
-    counts the forwards run, by ``(Runner.name, StepKind)``: e.g. the denoise steps that fell
-    back to the eager runner because no graph took their shape."""
+    counts the forwards launched, by ``(Runner.name, StepKind)`` (not a data-parallel rank's
+    ``IDLE`` ones, nor one that raised): e.g. the denoise steps that fell back to the eager
+    runner because no graph took their shape."""
 
     def __init__(self, config: RunnerConfig, steps: dict[StepKind, StepSpec],
                  register_inputs: Callable[[InputRegistry], None]):
@@ -328,15 +329,18 @@ class ModelRunner:
                 and len(batch.state_read_slots) != batch.batch_size):
             raise ValueError("a batch of a hybrid model needs the state slots of every row")
         runner = next(r for r in self.runners if r.can_run(batch))
-        self.forward_counts[runner.name, batch.kind] += 1
         if self.dp.size == 1:
-            return runner.execute(runner.load_batch(batch), post)
-        self.dp.begin()
-        try:
-            return runner.execute(runner.load_batch(batch), post)
-        except Exception:
-            self.join_peers()  # a failed forward: its peers' collectives still line up
-            raise
+            out = runner.execute(runner.load_batch(batch), post)
+        else:
+            self.dp.begin()
+            try:
+                out = runner.execute(runner.load_batch(batch), post)
+            except Exception:
+                self.join_peers()  # a failed forward: its peers' collectives still line up
+                raise
+        if batch.mode is not ForwardMode.IDLE:  # launched (a failed one is not counted)
+            self.forward_counts[runner.name, batch.kind] += 1
+        return out
 
     def join_peers(self) -> None:
         """Data-parallel attention: take part, with zero rows, in the collectives the peers
