@@ -172,7 +172,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # allocations, which a CUDA graph of that batch keeps for good. Rows pass through the
 # algorithm in groups of at most this many positions (one row a pass if a row has more); a
 # row's result does not depend on the other rows', so the tokens are the same. A traced
-# batch's trace columns (``_trace``) still read every position at once.
+# batch's trace columns (``_trace``) pass in the same groups.
 POST_CHUNK_POSITIONS = 2048
 
 
@@ -303,8 +303,16 @@ class DenoisePost:
         """The trace columns (``dllm.trace.trace_columns``): ``log_softmax`` of the aligned
         logits at each output token, the algorithm's confidence (the probability where it
         reports none), the top-``k`` alternatives, and the same for the next block's first
-        token read at the last position (0 for models without shifted logits)."""
+        token read at the last position (0 for models without shifted logits). Rows pass in
+        groups of at most ``POST_CHUNK_POSITIONS`` positions, as the unmasking's do (a row's
+        columns do not depend on the other rows')."""
         bs, b = tokens.shape
+        per = max(1, POST_CHUNK_POSITIONS // b)
+        if bs > per:
+            return torch.cat([self._trace(logits[i:i + per], last_logits[i:i + per],
+                                          tokens[i:i + per], next_token[i:i + per],
+                                          conf[i:i + per])
+                              for i in range(0, bs, per)])
         k = self.trace
         raw = logits.float()
         norm = log_normalizer(raw)  # [bs, B], summed in a fixed order: batch-invariant

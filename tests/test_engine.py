@@ -260,8 +260,9 @@ def test_unmasking_in_row_passes_gives_the_same_tokens(sdar_dir, monkeypatch):
     """``DenoisePost`` runs each algorithm's rows in passes of at most
     ``POST_CHUNK_POSITIONS`` positions (bounding its [positions, vocab] temporaries): one row
     a pass, and two, give every request the tokens and log-probabilities of one pass, for
-    every algorithm, greedy and sampled, in one batch. (No prefix cache: a prompt served
-    from it is not recomputed, which may move a log-probability by a rounding.)"""
+    every algorithm, greedy and sampled, in one batch (the log-probabilities come from the
+    trace columns, which pass in the same groups). (No prefix cache: a prompt served from it
+    is not recomputed, which may move a log-probability by a rounding.)"""
     import dllm.denoise
 
     llm = LLM(sdar_dir, max_running_requests=16, page_size=4, enable_prefix_cache=False)
