@@ -176,6 +176,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 POST_CHUNK_POSITIONS = 2048
 
 
+def _rows_a_pass(block: int) -> int:
+    """Rows of ``block`` positions in one pass (``POST_CHUNK_POSITIONS``; at least one)."""
+    return max(1, POST_CHUNK_POSITIONS // block)
+
+
 def _put(dst: torch.Tensor | None, at: slice | torch.Tensor | None,
          src: torch.Tensor) -> torch.Tensor:
     """``src`` written into the rows ``at`` of ``dst`` (``at`` None: ``src`` is every row)."""
@@ -252,7 +257,7 @@ class DenoisePost:
         # Traced batches: each row's confidence (NaN where its algorithm reports none).
         conf = (torch.full((bs, b), float("nan"), device=logits.device)
                 if self.trace is not None else None)
-        per = max(1, POST_CHUNK_POSITIONS // b)  # rows a pass
+        per = _rows_a_pass(b)
         for name, rows in self.groups.items():
             algo = get_algorithm(name)
             for lo in range(0, len(rows), per):
@@ -307,7 +312,7 @@ class DenoisePost:
         groups of at most ``POST_CHUNK_POSITIONS`` positions, as the unmasking's do (a row's
         columns do not depend on the other rows')."""
         bs, b = tokens.shape
-        per = max(1, POST_CHUNK_POSITIONS // b)
+        per = _rows_a_pass(b)
         if bs > per:
             return torch.cat([self._trace(logits[i:i + per], last_logits[i:i + per],
                                           tokens[i:i + per], next_token[i:i + per],

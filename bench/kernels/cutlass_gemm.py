@@ -54,8 +54,7 @@ class Cutlass:
 
     def call(self, cfg, w, x, y, ws, residual=None) -> int:
         tm, tn, s = cfg
-        fn = getattr(self.lib, f"g_{tm}_{tn}_{s}_run")
-        fn.restype = ctypes.c_int
+        fn = getattr(self.lib, f"g_{tm}_{tn}_{s}_run")  # returns int: ctypes' default
         t, k = x.shape
         n = w.shape[0]
         return fn(ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(x.data_ptr()),
